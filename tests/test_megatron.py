@@ -320,7 +320,7 @@ def test_kill_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
             assert "different saves" in outcome
 
 
-def _gpt(tp: int, seed: int) -> torch.nn.Module:
+def gpt_model(tp: int, seed: int) -> torch.nn.Module:
     """Megatron's GPTModel (2 layers, its local layer spec, no Transformer Engine) split by
     tensor parallelism ``tp``, initialized on the CPU: the whole weights are drawn first and
     then split, so a seed gives the same model at every TP."""
@@ -342,10 +342,10 @@ def _gpt_round(rank: int, world: int, root: str, save: bool) -> list[str]:
     """TP = world: save the seed-0 model (``save``); load into a seed-1 model -> the keys that
     differ from the seed-0 model's."""
     if save:
-        mdc.save(_gpt(world, 0).sharded_state_dict(), root,
+        mdc.save(gpt_model(world, 0).sharded_state_dict(), root,
                  sharded_strategy=CkptioSaveShardedStrategy())
-    want = _gpt(world, 0).state_dict()
-    model = _gpt(world, 1)
+    want = gpt_model(world, 0).state_dict()
+    model = gpt_model(world, 1)
     model.load_state_dict(mdc.load(model.sharded_state_dict(), root,
                                    sharded_strategy=CkptioLoadShardedStrategy()))
     got = model.state_dict()

@@ -9,6 +9,7 @@ Each rank counts its store's manifest reads and the bytes it submits to the stor
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,45 +26,22 @@ from ckptio.megatron_strategy import (  # noqa: E402
     CkptioSaveShardedStrategy,
 )
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+from test_megatron import gpt_model  # noqa: E402  (the same small GPTModel)
 
 SAVE, LOAD = CkptioSaveShardedStrategy, CkptioLoadShardedStrategy
-
-
-def _gpt(tp: int, seed: int) -> torch.nn.Module:
-    """A small Megatron GPTModel on the CPU at TP ``tp`` (its vocabulary padded: the embedding
-    and output layer allow a shape mismatch, so the load looks at the saved shapes)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, 1)
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                               use_cpu_initialization=True, tensor_model_parallel_size=tp)
-    torch.manual_seed(seed)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=128, max_sequence_length=32)
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _counting() -> tuple[dict[str, int], Any]:
+def _counting() -> tuple[Counter[str], Any]:
     """This process's manifest reads (counted from now on) and a counter of its data reads."""
-    from ckptio.storage.local.local_store import LocalStore
-    from ckptio.testing.readcount import count_store_reads
+    from ckptio.testing.readcount import count_manifest_reads, count_store_reads
 
-    counted = {"manifest": 0}
-    read_manifest = LocalStore.read_manifest
-
-    def counted_manifest(self: LocalStore) -> bytes:
-        counted["manifest"] += 1
-        return read_manifest(self)
-
-    LocalStore.read_manifest = counted_manifest  # type: ignore[method-assign]
-    return counted, count_store_reads()
+    manifests = count_manifest_reads()
+    manifests.clear()
+    return manifests, count_store_reads()
 
 
 def _load_counted(rank: int, world: int, root: str, tp: int) -> dict[str, Any]:
@@ -72,18 +50,18 @@ def _load_counted(rank: int, world: int, root: str, tp: int) -> dict[str, Any]:
     reads of a strict load's metadata step (load_sharded_metadata)."""
     where = Path(root) / "gpt"
     where.mkdir(exist_ok=True)
-    saved = _gpt(tp, 0)
+    saved = gpt_model(tp, 0)
     mdc.save(saved.sharded_state_dict(), str(where), sharded_strategy=SAVE())
     counted, data_read = _counting()
-    model = _gpt(tp, 1)
+    model = gpt_model(tp, 1)
     before = data_read()
     model.load_state_dict(mdc.load(model.sharded_state_dict(), str(where),
                                    sharded_strategy=LOAD()))
-    out = {"manifest": counted["manifest"], "read": data_read() - before,
+    out = {"manifest": counted.total(), "read": data_read() - before,
            "equal": all(torch.equal(v, _tensors(saved)[k]) for k, v in _tensors(model).items())}
-    counted["manifest"] = 0
+    counted.clear()
     LOAD().load_sharded_metadata(where)
-    out["metadata_manifest"] = counted["manifest"]
+    out["metadata_manifest"] = counted.total()
     out["data"] = sum(f.stat().st_size for f in (where / "ckptio").iterdir()
                       if f.name != "manifest.json")
     return out
@@ -117,9 +95,9 @@ def _save_load_save_load(rank: int, world: int, root: str) -> list[Any]:
     save, load = SAVE(), LOAD()
     found = []
     for seed in (0, 2):
-        saved = _gpt(world, seed)
+        saved = gpt_model(world, seed)
         mdc.save(saved.sharded_state_dict(), str(where), sharded_strategy=save)
-        model = _gpt(world, 1)
+        model = gpt_model(world, 1)
         model.load_state_dict(mdc.load(model.sharded_state_dict(), str(where),
                                        sharded_strategy=load, strict=StrictHandling.RAISE_ALL))
         want = _tensors(saved)
@@ -176,8 +154,6 @@ def _deepspeed_once(rank: int, world: int, root: str) -> list[dict[str, Any]]:
 def _per_file() -> dict[str, Any]:
     """This process's manifest reads and data bytes read, by the ckptio checkpoint (the
     DeepSpeed file) they are of, counted from now on."""
-    from collections import Counter
-
     from ckptio.storage.files import StoreFiles
     from ckptio.storage.local.local_store import LocalStore
 
@@ -277,7 +253,7 @@ def _record_given_on(rank: int, world: int, root: str, given: list[int]) -> list
     record = loader.manifest(path) if rank in given else None
     into = {k: torch.zeros_like(v) for k, v in want.items()}
     loader.load(path, into, record=record)
-    out: list[Any] = [all(torch.equal(into[k], v) for k, v in want.items()), counted["manifest"]]
+    out: list[Any] = [all(torch.equal(into[k], v) for k, v in want.items()), counted.total()]
     other = os.path.join(root, "a" if rank == 0 else "b")
     try:
         loader.load(other, into, record=loader.manifest(other))

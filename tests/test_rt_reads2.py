@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.rank_processes import run_ranks
+from ckptio.testing.readcount import count_manifest_reads
 
 pytest.importorskip("torchtitan.components.checkpointer.base")
 from test_torchtitan import STEPS, Job  # noqa: E402
@@ -33,74 +35,58 @@ def _train(job: Job, until: int = STEPS) -> list[float]:
     return losses
 
 
-def _count_manifest_reads() -> dict[str, int]:
-    """This process's committed-manifest reads of local stores, counted from now on."""
-    from ckptio.storage.local.local_store import LocalStore
-
-    counted = {"manifest": 0}
-    read_manifest = LocalStore.read_manifest
-
-    def counting(self: LocalStore) -> bytes:
-        counted["manifest"] += 1
-        return read_manifest(self)
-
-    LocalStore.read_manifest = counting  # type: ignore[method-assign]
-    return counted
-
-
 @pytest.fixture
-def counted() -> Any:
-    from ckptio.storage.local.local_store import LocalStore
-
-    original = LocalStore.read_manifest
-    yield _count_manifest_reads()
-    LocalStore.read_manifest = original  # type: ignore[method-assign]
+def counted() -> Counter[str]:
+    """This process's committed-manifest reads, by directory (clear() to count afresh)."""
+    manifests = count_manifest_reads()
+    manifests.clear()
+    return manifests
 
 
 def _params(job: Job) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in job.model.state_dict().items()}
 
 
-def test_a_torchtitan_load_reads_the_manifest_once(tmp_path: Path, counted: Any) -> None:
+def test_a_torchtitan_load_reads_the_manifest_once(tmp_path: Path, counted: Counter[str]) -> None:
     """Resume from step 4 of 5 (the others committed before): one manifest read, and the
     training goes on as an uninterrupted run's."""
     uninterrupted = _train(Job(tmp_path / "a"))
     _train(Job(tmp_path / "b"), until=5)
-    counted["manifest"] = 0
+    counted.clear()
     job = Job(tmp_path / "b")
     assert job.checkpointer.load() and job.state.step == 4
-    assert counted["manifest"] == 1
+    assert counted.total() == 1
     assert _train(job) == uninterrupted[4:]
 
 
 def test_a_partial_newer_step_is_still_passed_over_with_a_warning(tmp_path: Path,
-                                                                   counted: Any) -> None:
+                                                                   counted: Counter[str]) -> None:
     _train(Job(tmp_path), until=5)
     partial = tmp_path / "checkpoint" / "step-6"
     shutil.copytree(tmp_path / "checkpoint" / "step-4", partial)
     (partial / "manifest.json").unlink()
-    counted["manifest"] = 0
+    counted.clear()
     job = Job(tmp_path)
     with pytest.warns(UserWarning, match="step 6"):
         assert job.checkpointer.load() and job.state.step == 4
-    assert counted["manifest"] == 1
+    assert counted.total() == 1
     job.checkpointer.close()
 
 
 def test_an_explicit_step_and_a_model_only_step_read_it_once(tmp_path: Path,
-                                                            counted: Any) -> None:
+                                                            counted: Counter[str]) -> None:
     _train(Job(tmp_path, last_save_model_only=True, export_dtype="bfloat16"))
     saved = ckptio.load(tmp_path / "checkpoint" / f"step-{STEPS}")
-    counted["manifest"] = 0
+    counted.clear()
     again = Job(tmp_path, last_save_model_only=True)
     assert again.checkpointer.load() and again.state.step == 0  # model only, as a seed
-    assert counted["manifest"] == 1
+    assert counted.total() == 1
     assert all(torch.equal(v, saved[k].float()) for k, v in _params(again).items())
     again.checkpointer.close()
-    counted["manifest"] = 0
+    counted.clear()
     older = Job(tmp_path, last_save_model_only=True)
     assert older.checkpointer.load(step=4) and older.state.step == 4
-    assert counted["manifest"] == 1
+    assert counted.total() == 1
     older.checkpointer.close()
 
 
@@ -119,10 +105,11 @@ def test_a_damaged_newest_manifest_still_falls_back(tmp_path: Path) -> None:
 def _rank_load(rank: int, world: int, folder: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     _train(Job(folder), until=5)  # the same replicated model and steps on both ranks
-    counted = _count_manifest_reads()
+    counted = count_manifest_reads()
+    counted.clear()
     job = Job(folder)
     loaded = job.checkpointer.load()
-    out = {"loaded": loaded, "step": job.state.step, "manifest": counted["manifest"]}
+    out = {"loaded": loaded, "step": job.state.step, "manifest": counted.total()}
     job.checkpointer.close()
     return out
 

@@ -4,6 +4,10 @@ them all, whatever the store (a directory's O_DIRECT reads, S3's ranged GETs).
 
     count = count_store_reads()     # once per process, before the loads to count
     before = count(); ckptio.load(...); read = count() - before
+    manifests = count_manifest_reads(); manifests.clear(); ckptio.load(...); manifests.total()
+
+``count_manifest_reads`` counts the committed manifests read from local directories
+(LocalStore.read_manifest), by directory.
 
 Owns: the wrap and the counter. Does not own: the reads. Test and benchmark support only: it
 replaces methods on the class for the rest of the process.
@@ -11,15 +15,19 @@ replaces methods on the class for the rest of the process.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from ckptio.storage.files import StoreFiles
+from ckptio.storage.local.local_store import LocalStore
 
-__all__ = ["count_store_reads"]
+__all__ = ["count_manifest_reads", "count_store_reads"]
 
 _counted = [0]
 _wrapped = [False]
+_manifests: Counter[str] = Counter()
+_manifests_wrapped = [False]
 
 
 def count_store_reads() -> Callable[[], int]:
@@ -40,3 +48,18 @@ def count_store_reads() -> Callable[[], int]:
         StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
         StoreFiles.submit_reads = submit_reads  # type: ignore[method-assign]
     return lambda: _counted[0]
+
+
+def count_manifest_reads() -> Counter[str]:
+    """Wrap LocalStore.read_manifest (once per process) -> the Counter of committed manifests
+    read since the wrap, by directory; ``clear()`` it to count from now on."""
+    if not _manifests_wrapped[0]:
+        _manifests_wrapped[0] = True
+        read_manifest = LocalStore.read_manifest
+
+        def counted(self: LocalStore) -> bytes:
+            _manifests[self.location] += 1
+            return read_manifest(self)
+
+        LocalStore.read_manifest = counted  # type: ignore[method-assign]
+    return _manifests
