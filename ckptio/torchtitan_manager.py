@@ -285,7 +285,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         if not many or torch.distributed.get_rank() == 0:
             try:
                 got[0] = checkpointer().manifest(self.manager.path(step))
-            except Exception:  # noqa: BLE001 - any failure: the restore's own read says it
+            except CkptError:  # damaged or gone: the restore's own read says so
                 got[0] = None
         if many:
             torch.distributed.broadcast_object_list(got, src=0)
