@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 import ckptio
 
 from s3.conftest import s3_env, s3_live, s3_server  # noqa: F401 - the S3 fixtures
+from stall_cases import BOUND_S, WARN_S, Behind, warned
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -176,42 +177,6 @@ class _Picklish:
 
     def __init__(self, n: int) -> None:
         self.n = n
-
-
-WARN_S = 0.2  # Options.io_stall_warn_s of these loads
-BOUND_S = 10.0  # a warning, or a load once released, that takes longer is a bug
-
-
-class Behind:
-    """``call()`` on a thread of its own: its result or error, once it returns."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
-        self.thread.start()
-
-    def _run(self, call: Callable[[], Any]) -> None:
-        try:
-            call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test, which raises it
-            self.error = exc
-
-    def joined(self) -> None:
-        self.thread.join(BOUND_S)
-        assert not self.thread.is_alive(), "the load did not finish once its read was released"
-        if self.error is not None:
-            raise self.error
-
-
-def warned(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
-    """The ``ckptio`` warnings holding ``words``, once there is one (or BOUND_S passed)."""
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        said = [r.getMessage() for r in caplog.records
-                if r.name == "ckptio" and words in r.getMessage()]
-        if said or time.monotonic() > deadline:
-            return said
-        time.sleep(0.02)
 
 
 def _every_read_is_warned(fs: Any, caplog: pytest.LogCaptureFixture, pattern: str, file: str,

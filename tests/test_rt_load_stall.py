@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,10 @@ from ckptio.testing.s3proxy import FaultProxy
 
 from s3.conftest import s3_env, s3_live, s3_proxy, s3_server  # noqa: F401 - the S3 fixtures
 from s3.test_silent_s3 import DEADLINE_S, SLACK_S
+from stall_cases import BOUND_S, WARN_S, Behind, warned
 
 fuse = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
 
-WARN_S = 0.2  # Options.io_stall_warn_s of these loads
-BOUND_S = 10.0  # a warning, or a load once released, that takes longer is a bug
 MiB = 1 << 20
 
 
@@ -55,41 +53,7 @@ def _assert_state(got: dict[str, torch.Tensor], value: float, n: int = 4096) -> 
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
 
 
-def _said(caplog: pytest.LogCaptureFixture, words: str, count: int = 1) -> list[str]:
-    """The ``ckptio`` warnings holding ``words``, once there are ``count`` (or BOUND_S passed)."""
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        said = [r.getMessage() for r in caplog.records
-                if r.name == "ckptio" and words in r.getMessage()]
-        if len(said) >= count or time.monotonic() > deadline:
-            return said
-        time.sleep(0.02)
-
-
-class _Behind:
-    """``call()`` on a thread of its own: its result or error, once it returns."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
-        self.thread.start()
-
-    def _run(self, call: Callable[[], Any]) -> None:
-        try:
-            self.result = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test, which raises it
-            self.error = exc
-
-    def joined(self) -> Any:
-        self.thread.join(BOUND_S)
-        assert not self.thread.is_alive(), "the load did not finish once its read was released"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _stalled_then_released(fs: FaultFS, caplog: pytest.LogCaptureFixture, behind: _Behind,
+def _stalled_then_released(fs: FaultFS, caplog: pytest.LogCaptureFixture, behind: Behind,
                            file: str, location: str) -> None:
     """While ``behind``'s load waits on the stalled read of ``file``: warned about within a
     bounded time, naming the rank, the load's location, the file and the seconds, again while
@@ -98,7 +62,7 @@ def _stalled_then_released(fs: FaultFS, caplog: pytest.LogCaptureFixture, behind
         assert fs.wait_stalled(BOUND_S).endswith(file)
         began = time.monotonic()
         # the load's own warnings (a slow fsync of the saves before it may be warned about too)
-        said = _said(caplog, f"the load from {location} has made no progress", count=2)
+        said = warned(caplog, f"the load from {location} has made no progress", count=2)
         assert len(said) >= 2, f"no repeated stall warning within {BOUND_S} s: {said}"
         assert time.monotonic() - began < BOUND_S
         first = said[0]
@@ -109,7 +73,7 @@ def _stalled_then_released(fs: FaultFS, caplog: pytest.LogCaptureFixture, behind
         assert behind.thread.is_alive()  # it waits: nothing is given up, nothing half-filled
     finally:  # (a failed check lets the load go on too: the test fails, it does not hang)
         fs.release()
-    went_on = _said(caplog, "goes on")
+    went_on = warned(caplog, "goes on")
     assert went_on and went_on[0].startswith(f"ckptio: rank 0: the load from {location} goes "
                                              "on (its I/O had made no progress for "), went_on
 
@@ -133,7 +97,7 @@ def test_a_load_whose_read_hangs_is_warned_about_naming_the_file_then_completes_
     fs.stall("read", f"^/ck/{name}$")
     state = _zeros()
     options = ckptio.Options(io_stall_warn_s=WARN_S)
-    behind = _Behind(lambda: ckptio.load(path, state, options=options))
+    behind = Behind(lambda: ckptio.load(path, state, options=options))
     _stalled_then_released(fs, caplog, behind, name, str(path))
     assert set(behind.joined().loaded) == {"w", "b"}
     _assert_state(state, 1.0)
@@ -151,7 +115,7 @@ def test_a_load_with_no_stall_and_warnings_off_says_nothing(
     _assert_state(state, 2.0)
     fs.stall("read", r"^/ck/data-")
     state = _zeros()
-    behind = _Behind(lambda: ckptio.load(path, state, options=ckptio.Options(io_stall_warn_s=0)))
+    behind = Behind(lambda: ckptio.load(path, state, options=ckptio.Options(io_stall_warn_s=0)))
     fs.wait_stalled(BOUND_S)
     time.sleep(4 * WARN_S)
     fs.release()
@@ -218,7 +182,7 @@ def test_a_manager_restore_whose_read_hangs_is_warned_about_then_restores_the_ne
     fs.stall("read", f"^/run/step-2/{name}$")
     state = _zeros()
     with ckptio.CheckpointManager(run, options=options) as again:
-        behind = _Behind(lambda: again.restore(state))
+        behind = Behind(lambda: again.restore(state))
         _stalled_then_released(fs, caplog, behind, name, str(run / "step-2"))
         assert behind.joined() == 2
     _assert_state(state, 2.0)
@@ -304,7 +268,7 @@ def test_a_drain_whose_read_of_the_first_tier_hangs_is_warned_about_naming_the_f
         mgr.save(1, _state(1.0))
         try:
             assert "/run/step-1/data-" in fs.wait_stalled(BOUND_S)
-            said = _said(caplog, f"the read of {first}/step-1/data-")  # not the save's fsync
+            said = warned(caplog, f"the read of {first}/step-1/data-")  # not the save's fsync
             assert said and "has made no progress" in said[0], said
         finally:
             fs.release()
