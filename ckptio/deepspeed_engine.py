@@ -35,8 +35,10 @@ from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load
 from ckptio.deepspeed_tags import OVER, STANDS, other_save, recorded, to_torch_save
+from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
 from ckptio.errors import (
+    CheckpointLockedError,
     CkptError,
     IncompleteCheckpointError,
     RankFailedError,
@@ -76,12 +78,15 @@ class CkptioCheckpointEngine(CheckpointEngine):
     values (ZeRO's loss scaler and param_slice_mappings) are stored pickled and unpickled on
     load, the trust DeepSpeed's own torch.load (weights_only=False) asks for; tensors are never
     pickled. Without it such a value is refused at save, naming the key and this switch.
-    verify: check checksums on load (default Options.verify).
+    verify: check checksums on load (default Options.verify). take_over: save into a save_dir
+    whose run lease another job holds (its processes linger after it ended), with a warning; by
+    default a second job saving into one save_dir is refused at its first save_checkpoint,
+    naming the first, before any rank writes (ckptio/dir_leases.py; rank 0 holds the lease).
     """
 
     def __init__(self, config_params: Any = None, *, options: Options | None = None,
                  decoupled: bool = False, allow_pickle: bool = False,
-                 verify: bool | None = None) -> None:
+                 verify: bool | None = None, take_over: bool = False) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
         self.options = options if options is not None else Options.from_env()
@@ -89,6 +94,8 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
+        self._leases = DirectoryLeases("this DeepSpeed job", "pass ckptio.deepspeed_engine."
+                                       "use(engine, take_over=True)", take_over)
         self.training: Callable[[], str | None] = lambda: None
         """Where training stands (``use`` sets it from the DeepSpeed engine): stored with each
         file, so that a tag whose files come from two saves is refused at load."""
@@ -106,8 +113,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._loaded: dict[str, Any] | None = None
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """A tag starts: the previous tag's saves in flight are waited for first."""
+        """A tag starts: the previous tag's saves in flight are waited for first; then the
+        run lease of save_dir, on every rank or on none."""
         self._settle()
+        group = current_group()
+        if self._ranks is None and group is not None:
+            self._ranks = over_torch(group, self.options)  # every rank beats from now on
+        self._lease(info)
         self._info = info
         self._written = False
         self._stands = self.training()
@@ -115,9 +127,22 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._over = os.path.isdir(folder)
         self._seen.pop(folder, None)  # what loads of it saw is no longer there
         self._scanned.discard(folder)
-        group = current_group()
-        if self._ranks is None and info.save_latest and group is not None:
-            self._ranks = over_torch(group, self.options)  # every rank beats from now on
+
+    def _lease(self, info: CheckpointCommitInfo) -> None:
+        """Rank 0 takes (or checks) the run lease of ``info.save_dir``; every rank raises its
+        refusal (CheckpointLockedError), before any rank writes a file of the tag."""
+        error: CheckpointLockedError | None = None
+        if self._ranks is None or self._ranks.rank == 0:
+            try:
+                self._leases.take(os.fspath(info.save_dir), f"tag {info.tag!r}")
+            except CheckpointLockedError as exc:
+                error = exc
+        if self._ranks is not None:
+            said = self._ranks.all_gather(b"" if error is None else str(error).encode())
+            if error is None and said[0]:
+                error = CheckpointLockedError(f"rank 0: {said[0].decode(errors='replace')}")
+        if error is not None:
+            raise error
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone); a file
@@ -228,6 +253,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
             self._settle()
         finally:
             self.checkpointer.close()
+            self._leases.release()
         info, self._info = self._info, None
         if self.decoupled and info is not None and info.save_latest and self._written:
             warnings.warn(
@@ -307,7 +333,8 @@ _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose load_checkpo
 
 
 def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
-        allow_pickle: bool = False, verify: bool | None = None) -> CkptioCheckpointEngine:
+        allow_pickle: bool = False, verify: bool | None = None,
+        take_over: bool = False) -> CkptioCheckpointEngine:
     """Make DeepSpeed ``engine`` (what deepspeed.initialize returned) save and load through
     ckptio from now on; returns the CkptioCheckpointEngine. Call it on every rank, before the
     first save_checkpoint or load_checkpoint. Arguments as CkptioCheckpointEngine's."""
@@ -320,7 +347,8 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     if previous.is_decoupled() or isinstance(previous, CkptioCheckpointEngine):
         previous.cleanup()  # ours: its staging pool and I/O threads, not left to the process
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
-                                  decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
+                                  decoupled=decoupled, allow_pickle=allow_pickle, verify=verify,
+                                  take_over=take_over)
     ours.training = _training(engine)
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:

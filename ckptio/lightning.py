@@ -48,8 +48,9 @@ from ckptio import (
     StorageIOError,
     UnsupportedStateError,
 )
+from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import rank_alone_group
-from ckptio.lightning_paths import RunLeases, check_path, refuse_in_fsspec
+from ckptio.lightning_paths import check_path, refuse_in_fsspec
 from ckptio.lightning_rng import RNGStateCallback
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_root import is_committed
@@ -101,7 +102,9 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
-        self._leases = RunLeases(take_over)
+        self._leases = DirectoryLeases("this Lightning job",
+                                       "pass ckptio.lightning.CheckpointIO(take_over=True)",
+                                       take_over)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -168,7 +171,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
             raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
                             "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
         check_path(target)
-        self._leases.take(target)
+        self._leases.take(os.path.dirname(checkpoint_path(target)), target)
         if os.path.islink(target):
             try:
                 os.remove(target)

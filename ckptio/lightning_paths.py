@@ -11,18 +11,12 @@
   ``<cwd>/file:/data/run``, where the checkpoints landed (and a resume from /data/run found
   none). ``check_path`` refuses a path holding a directory named as a scheme (``file:``),
   naming the path meant.
-- Two training jobs started on one checkpoint directory would interleave their saves (each
-  replacing the other's ``last.ckpt``). ``RunLeases`` takes the run lease a
-  CheckpointManager takes (storage/local/runlease.py) on each local directory the plugin saves
-  into, at the first save there, and holds it until the plugin's teardown: a second job's first
-  save there is refused, naming the holder, before it writes anything; a job started with
-  ``take_over=True`` goes on, and the holder's next save there is refused, naming it.
 
 Call order: ``refuse_in_fsspec()`` once, at ``import ckptio.lightning``; a plugin's saves call
-``check_path(path)`` and ``RunLeases.take(path)``, its teardown ``RunLeases.release()``.
+``check_path(path)``.
 
-Owns: those fsspec registrations and their wording, which directories the plugin leases and
-when. Does not own: the lease itself (storage/local/runlease.py), the plugins (lightning.py).
+Owns: those fsspec registrations and their wording. Does not own: the plugins (lightning.py),
+the run leases of the directories they save into (dir_leases.py).
 """
 
 from __future__ import annotations
@@ -32,11 +26,10 @@ import os
 import re
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError, CkptError
-from ckptio.storage.local import runlease
+from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path, registered_schemes, scheme_of
 
-__all__ = ["RunLeases", "check_path", "refuse_in_fsspec"]
+__all__ = ["check_path", "refuse_in_fsspec"]
 
 
 _SCHEME_DIR = re.compile(r"/([A-Za-z][A-Za-z0-9+.-]*):/(.*)\Z", re.DOTALL)
@@ -109,42 +102,3 @@ def refuse_in_fsspec() -> list[str]:
         fsspec_registry.register_implementation(scheme, _refusing_class(scheme, base))
         done.append(scheme)
     return done
-
-
-class RunLeases:
-    """The run leases of the local directories one plugin saved into (module docstring).
-    ``take_over``: a job whose earlier run's processes linger goes on past their lease (it
-    warns), as CheckpointManager(take_over=True) does."""
-
-    def __init__(self, take_over: bool = False) -> None:
-        self.take_over = take_over
-        self._held: dict[str, runlease.RunLease] = {}
-
-    def take(self, path: str) -> None:
-        """The lease of the directory holding checkpoint ``path`` (local paths, ``shm://``),
-        at this plugin's first save there; CheckpointLockedError naming the job holding it, or,
-        at a later save, the job that took it over since."""
-        location = checkpoint_path(path)
-        if scheme_of(location) is not None:  # an object store's: not leased here
-            return
-        directory = os.path.dirname(os.path.abspath(location))
-        held = self._held.get(directory)
-        if held is not None:
-            taker = held.lost
-            if taker is not None:
-                raise CheckpointLockedError(
-                    f"the run directory {directory} was taken over by another job ({taker}, "
-                    f"started with take_over=True): this Lightning job did not save {path}, "
-                    "and saves no more there; that job saves there now")
-            return
-        lease = runlease.take(directory, self.take_over, create=True, refusal=(
-            f"this Lightning job did not save {path}",
-            "pass ckptio.lightning.CheckpointIO(take_over=True)"))
-        if lease is not None:
-            self._held[directory] = lease
-
-    def release(self) -> None:
-        """Let go of every lease (never raises)."""
-        held, self._held = self._held, {}
-        for lease in held.values():
-            lease.release()

@@ -264,3 +264,22 @@ def save_16bit(rank: int, world_size: int, root: str, decoupled: bool) -> bool:
     saved = torch.load(os.path.join(root, "pytorch_model.bin"), weights_only=True)
     want = engine.module.state_dict()
     return saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+
+
+def second_job(rank: int, world_size: int, save_dir: str, take_over: bool) -> dict[str, Any]:
+    """A job that trains a step and saves into ``save_dir``, where another job may hold the
+    run lease -> what its save_checkpoint raised (type and message; none: it saved) and the
+    tags there after it."""
+    import ckptio
+    from ckptio.deepspeed_engine import use
+
+    engine = engine_for(1, world_size)
+    use(engine, allow_pickle=True, take_over=take_over)
+    train(engine, 1)
+    error = None
+    try:
+        engine.save_checkpoint(save_dir)
+    except ckptio.CkptError as exc:
+        error = (type(exc).__name__, str(exc))
+    engine.destroy()
+    return {"error": error, "there": sorted(os.listdir(save_dir))}

@@ -235,3 +235,26 @@ def test_save_16bit_model_writes_the_torch_save_file_its_readers_expect(
     DeepSpeed's own engine writes it; it was a ckptio directory, which they cannot read."""
     assert run_ranks(1, cases.save_16bit, str(tmp_path / "export"), decoupled,
                      timeout_s=LIMIT_S) == [True]
+
+
+def test_a_second_job_on_one_save_dir_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """A job (this process) holds save_dir's run lease from its first save_checkpoint: a second
+    job's save_checkpoint there raises CheckpointLockedError on both its ranks, naming this
+    process, before any rank writes a file; with take_over=True it saves, and this job's next
+    save there is refused, naming the one that took over."""
+    holder = CkptioCheckpointEngine()
+    holder.create(_info(tmp_path, "mine"))
+    try:
+        got = run_ranks(2, cases.second_job, str(tmp_path), False, timeout_s=LIMIT_S)
+        for rank, result in enumerate(got):
+            kind, message = result["error"]
+            assert kind == "CheckpointLockedError", result
+            assert f"pid {os.getpid()}" in message and "take_over=True" in message, message
+            assert message.startswith("rank 0: ") == (rank == 1), message
+            assert not [t for t in result["there"] if t.startswith("global_step")], result
+        taken = run_ranks(1, cases.second_job, str(tmp_path), True, timeout_s=LIMIT_S)[0]
+        assert taken["error"] is None and "global_step1" in taken["there"], taken
+        with pytest.raises(ckptio.CheckpointLockedError, match="taken over"):
+            holder.create(_info(tmp_path, "mine2"))
+    finally:
+        holder.cleanup()

@@ -82,7 +82,7 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.dcp", "ckptio.export", "ckptio.export_fill", "ckptio.convert",
      "ckptio.convert_writers", "ckptio.hf_checkpoints", "ckptio.hf_trainer", "ckptio.tc_storage",
      "ckptio.torchtitan_manager", "ckptio.lightning_rng",
-     "ckptio.lightning_paths"),  # interop drivers
+     "ckptio.lightning_paths", "ckptio.dir_leases"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
      "ckptio.deepspeed_tags", "ckptio.demo",
