@@ -40,7 +40,14 @@ except ImportError as exc:  # an optional integration: say which extra brings it
                       "pip install -e '.[hf-trainer]' in a checkout)") from exc
 
 from ckptio.api import Checkpointer
-from ckptio.errors import CkptError, StateMismatchError, UnsupportedPathError, UnsupportedStateError
+from ckptio.distributed.dist import current_group, over_torch
+from ckptio.errors import (
+    CheckpointLockedError,
+    CkptError,
+    StateMismatchError,
+    UnsupportedPathError,
+    UnsupportedStateError,
+)
 from ckptio.format.types import Manifest
 from ckptio.hf_checkpoints import CKPTIO_DIR, checked, checkpoint_problem, last_checkpoint
 from ckptio.options import Options
@@ -108,15 +115,25 @@ class CkptioTrainerMixin:
         """The run lease of output_dir (storage/local/runlease.py), on the job's first process
         (with save_on_each_node, not every node's: their output_dir may be one shared folder):
         a second job started there is refused before it trains, naming the one that holds it
-        (two jobs would write the same checkpoint-N)."""
+        (two jobs would write the same checkpoint-N), on every process of it."""
         t: Any = self
-        if not t.is_world_process_zero():
-            return
-        output_dir = os.fspath(t.args.output_dir)
-        os.makedirs(output_dir, exist_ok=True)
-        self._ckptio_lease = runlease.take(output_dir, False, create=True, refusal=(
-            "this CkptioTrainer did not train",
-            "remove that lease file once no process of that job is left"))
+        first, group, error = t.is_world_process_zero(), current_group(), None
+        if first:
+            output_dir = os.fspath(t.args.output_dir)
+            os.makedirs(output_dir, exist_ok=True)
+            try:
+                self._ckptio_lease = runlease.take(output_dir, False, create=True, refusal=(
+                    "this CkptioTrainer did not train",
+                    "remove that lease file once no process of that job is left"))
+            except CheckpointLockedError as exc:
+                error = exc
+        if group is not None:  # every process raises the refusal, none trains alone
+            said = over_torch(group, self.ckptio_options).broadcast(
+                (str(error) if error else "").encode() if first else None)
+            if error is None and said:
+                error = CheckpointLockedError(f"rank 0: {said.decode(errors='replace')}")
+        if error is not None:
+            raise error
 
     def _ckptio_checkpointer(self) -> Checkpointer:
         """This trainer's Checkpointer, made on first use in a ``train()``: its staging pool

@@ -363,3 +363,28 @@ def test_resuming_a_save_only_model_checkpoint_warns_it_is_not_bitwise(tmp_path)
     assert len(said) == 1, [str(w.message) for w in caught]
     assert f"{tmp_path / 'checkpoint-2'} holds no optimizer, rng, scheduler" in said[0], said
     assert "not continue the saved run bitwise" in said[0], said
+
+
+def test_a_second_ddp_job_on_one_output_dir_is_refused_on_every_process(tmp_path):
+    """A job (this process) holds output_dir's run lease: a DDP job started there raises
+    CheckpointLockedError on both of its processes, the second's saying it is rank 0's
+    refusal (before: the second died of gloo's "connection closed" once the first exited),
+    within seconds, and writes no checkpoint."""
+    from ckptio.storage.local import runlease
+
+    out = tmp_path / "run"
+    out.mkdir()
+    lease = runlease.take(str(out), False, create=True)
+    assert lease is not None
+    try:
+        code, err = finish(start_ddp(out, tmp_path / "l.txt"))
+    finally:
+        lease.release()
+    assert code != 0
+    refusals = [line for line in err.splitlines() if "CheckpointLockedError: " in line]
+    assert any(line.startswith("[rank0]") and f"pid {os.getpid()}" in line
+               for line in refusals), err[-3000:]
+    assert any(line.startswith("[rank1]") and "CheckpointLockedError: rank 0: " in line
+               for line in refusals), err[-3000:]
+    assert "Connection closed" not in err
+    assert not list(out.glob("checkpoint-*"))

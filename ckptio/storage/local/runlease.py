@@ -126,22 +126,33 @@ def take(directory: str, take_over: bool, *, create: bool,
         fd = _open(directory, path)
         if fd is None:
             return RunLease(directory, None)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _held(fd, directory, path, take_over, create, refusal)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in _NO_LOCKS:
-                raise StorageIOError(f"cannot lock the run lease {path}: {exc.strerror or exc}"
-                                     ) from None
-            log.warning("ckptio: the filesystem of %s has no file locks (%s): a second job "
-                        "started on this run directory is not detected there", directory,
-                        exc.strerror or exc)
+        locked = _lock(fd, directory, path)
+        if locked is None:
             return RunLease(directory, None)
+        if not locked:  # by another job: refused (or taken over)
+            return _held(fd, directory, path, take_over, create, refusal)
         if still_linked(fd, path):
             return RunLease(directory, fd, _record(fd))
         os.close(fd)  # its holder let go and removed it meanwhile: lock the one there now
+
+
+def _lock(fd: int, directory: str, path: str) -> bool | None:
+    """flock ``fd`` without waiting: True (this process holds it), False (another does), None
+    (the file system has no locks: warned of, ``fd`` closed)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in _NO_LOCKS:
+            raise StorageIOError(f"cannot lock the run lease {path}: {exc.strerror or exc}"
+                                 ) from None
+        log.warning("ckptio: the filesystem of %s has no file locks (%s): a second job "
+                    "started on this run directory is not detected there", directory,
+                    exc.strerror or exc)
+        return None
+    return True
 
 
 def _open(directory: str, path: str) -> int | None:
