@@ -33,7 +33,7 @@ import torch
 
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
-from ckptio.deepspeed_guard import guarded_load
+from ckptio.deepspeed_guard import guarded_load, local_only
 from ckptio.deepspeed_tags import OVER, STANDS, other_save, recorded, to_torch_save
 from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -48,6 +48,7 @@ from ckptio.errors import (
 from ckptio.format.types import Manifest
 from ckptio.options import Options
 from ckptio.storage.local.local_root import is_committed
+from ckptio.storage.select import scheme_of
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -116,6 +117,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         """A tag starts: the previous tag's saves in flight are waited for first; then the
         run lease of save_dir, on every rank or on none."""
         self._settle()
+        local_only(os.fspath(info.save_dir), "save_checkpoint")  # every rank: the same refusal
         group = current_group()
         if self._ranks is None and group is not None:
             self._ranks = over_torch(group, self.options)  # every rank beats from now on
@@ -143,6 +145,12 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 error = CheckpointLockedError(f"rank 0: {said[0].decode(errors='replace')}")
         if error is not None:
             raise error
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """DeepSpeed's rank 0 makes save_dir before ``create``: a URL is left to ``create``'s
+        refusal on every rank (made here, it became a local folder named ``s3:``)."""
+        if scheme_of(os.fspath(path)) is None:
+            os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone); a file

@@ -6,8 +6,10 @@ file, the keys or ranks, and the fix (docs/guides/deepspeed.md).
 Owns: those checks, made before DeepSpeed reads anything: the tag folder a load reads (named,
 or from ``latest``), the saved ZeRO parameter shapes against the model's, the number of ZeRO-3
 ranks, and ZeRO-3 weights without optimizer states; and, where a load finds no ``latest`` (a
-fresh start), the warning naming a run spelled alike beside it (a mistyped directory).
-Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
+fresh start), the warning naming a run spelled alike beside it (a mistyped directory); and
+that a save's or load's directory is a local path (``local_only``: DeepSpeed reaches ``latest``
+and its tag folders with local file calls, so a URL would land in a local folder named
+``s3:``). Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
 """
 
 from __future__ import annotations
@@ -26,12 +28,32 @@ from ckptio.errors import (
     CheckpointNotFoundError,
     PickleRefusedError,
     StateMismatchError,
+    UnsupportedPathError,
     UnsupportedStateError,
 )
 from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.missing_manifest import spelled_alike
+from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["guarded_load"]
+__all__ = ["guarded_load", "local_only"]
+
+
+def local_only(directory: str, doing: str) -> None:
+    """Refuse a URL as DeepSpeed's save_dir or load_dir (UnsupportedPathError naming what to
+    give): DeepSpeed writes and reads ``latest``, its tag folders and its zero_to_fp32.py with
+    local file calls, so ``s3://b/run`` left them in a local folder ``s3:/b/run`` (its tensors
+    in the bucket) and a restart elsewhere found no ``latest``."""
+    scheme = scheme_of(directory)
+    if scheme is None:
+        return
+    local = checkpoint_path(directory)
+    instead = (f"give the folder it names, {local}" if scheme_of(local) is None else
+               "give a local directory, or a shared file system mounted on every node (NFS, "
+               "Lustre)")
+    raise UnsupportedPathError(
+        f"{doing} {directory}: DeepSpeed writes and reads its 'latest' file and tag folders "
+        f"with local file calls, so a {scheme}:// URL would leave them in a local folder named "
+        f"'{scheme}:' and a restart would not find them; {instead}")
 
 
 def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
@@ -53,6 +75,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
+        local_only(os.fspath(given["load_dir"]), "load_checkpoint")
         universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
         folder = None if universal else _tag_folder(os.fspath(given["load_dir"]), given.get("tag"))
         if folder is None:

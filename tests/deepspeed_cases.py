@@ -283,3 +283,25 @@ def second_job(rank: int, world_size: int, save_dir: str, take_over: bool) -> di
         error = (type(exc).__name__, str(exc))
     engine.destroy()
     return {"error": error, "there": sorted(os.listdir(save_dir))}
+
+
+def url_dirs(rank: int, world_size: int, cwd: str) -> list[tuple[str, str]]:
+    """save_checkpoint and load_checkpoint given an ``s3://`` URL, run from ``cwd`` -> what
+    each raised (type, message)."""
+    import ckptio
+    from ckptio.deepspeed_engine import use
+
+    os.chdir(cwd)
+    engine = engine_for(1, world_size)
+    use(engine, allow_pickle=True)
+    train(engine, 1)
+    out = []
+    for call in (lambda: engine.save_checkpoint("s3://bucket/run"),
+                 lambda: engine.load_checkpoint("s3://bucket/run")):
+        try:
+            call()
+            out.append(("", ""))
+        except ckptio.CkptError as exc:
+            out.append((type(exc).__name__, str(exc)))
+    engine.destroy()
+    return out

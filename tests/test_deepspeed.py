@@ -258,3 +258,20 @@ def test_a_second_job_on_one_save_dir_is_refused_on_every_rank(tmp_path: Path) -
             holder.create(_info(tmp_path, "mine2"))
     finally:
         holder.cleanup()
+
+
+def test_a_url_as_save_or_load_dir_is_refused_on_every_rank_and_makes_no_local_folder(
+        tmp_path: Path) -> None:
+    """DeepSpeed reaches 'latest' and its tag folders with local file calls: ``s3://bucket/run``
+    wrote the tensors to the bucket and 'latest' into a local folder ``s3:/bucket/run``, where a
+    restart elsewhere finds nothing. Now both calls raise UnsupportedPathError on every rank
+    naming the URL, and nothing is made in the working directory; ``shm://`` names its folder."""
+    got = run_ranks(2, cases.url_dirs, str(tmp_path), timeout_s=LIMIT_S)
+    for result in got:
+        for (kind, message), call in zip(result, ("save_checkpoint", "load_checkpoint")):
+            assert kind == "UnsupportedPathError", result
+            assert message.startswith(f"{call} s3://bucket/run: ") and "NFS" in message, message
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ckptio.UnsupportedPathError, match=r"give the folder it names, /dev/shm"):
+        CkptioCheckpointEngine().create(CheckpointCommitInfo(tag="t", save_dir="shm://run",
+                                                             save_latest=True))
