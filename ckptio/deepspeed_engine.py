@@ -34,13 +34,12 @@ import torch
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
-from ckptio.deepspeed_tags import OVER, STANDS, other_save, recorded, to_torch_save
+from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
 from ckptio.errors import (
     CheckpointLockedError,
     CkptError,
-    IncompleteCheckpointError,
     RankFailedError,
     UnsupportedStateError,
     restated,
@@ -104,10 +103,10 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._handles: list[SaveHandle] = []
         self._stands: str | None = None
         self._over = False  # the save's tag folder existed before it (a save over that tag)
-        self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
-        self._scanned: set[str] = set()  # tag folders whose files were all compared
+        self._tags = OneSave()  # the tag folders loaded, each checked as one save
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
         self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
+        self._failed: CkptError | None = None  # a file of the tag in hand failed (for commit)
         # within one load_checkpoint (loading()): each file's manifest, and a file loaded once
         # (until DeepSpeed loads it again); None outside
         self._opened: dict[str, Manifest | None] | None = None
@@ -123,12 +122,11 @@ class CkptioCheckpointEngine(CheckpointEngine):
             self._ranks = over_torch(group, self.options)  # every rank beats from now on
         self._lease(info)
         self._info = info
-        self._written = False
+        self._written, self._failed = False, None
         self._stands = self.training()
         folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         self._over = os.path.isdir(folder)
-        self._seen.pop(folder, None)  # what loads of it saw is no longer there
-        self._scanned.discard(folder)
+        self._tags.forget(folder)  # what loads of it saw is no longer there
 
     def _lease(self, info: CheckpointCommitInfo) -> None:
         """Rank 0 takes (or checks) the run lease of ``info.save_dir``; every rank raises its
@@ -160,6 +158,16 @@ class CkptioCheckpointEngine(CheckpointEngine):
             self._settle()
             write_torch_save(state_dict, os.fspath(path))
             return
+        if self._failed is not None:  # a file of this tag failed: the tag is not written on
+            return
+        try:
+            self._write(state_dict, path)
+        except CkptError as exc:  # sync: raised by commit, once every rank knows (below)
+            self._failed = exc
+            if self.decoupled:  # said at the call; its commit tells the other ranks
+                raise
+
+    def _write(self, state_dict: Any, path: str) -> None:
         meta = None if self._stands is None else {STANDS: self._stands, OVER: self._over}
         try:
             if self.decoupled:
@@ -199,7 +207,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
                                             process_group=rank_alone_group(), record=record)
-            self._check_one_save(where, record)
+            self._tags.check(where, record)
             if self._loaded is not None:
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
         device = _device(map_location)
@@ -228,17 +236,25 @@ class CkptioCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """The tag's files of this rank are durable and committed when this returns (True);
-        a failed background write is raised here (then DeepSpeed writes no ``latest``)."""
+        a failed write (a sync save's, or a background one) is raised here on this rank, and
+        every other rank raises a RankFailedError naming it (then DeepSpeed writes no
+        ``latest``). A decoupled save's error raised at its call is told, not raised again."""
         if info is None:
             return False
+        error: BaseException | None = self._failed
+        self._failed = None
+        said = error is not None and self.decoupled
         try:
             self._settle()
         except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
-            self._all_committed(info, exc)
-            raise
-        self._all_committed(info, None)
-        self._info = None
-        return True
+            error, said = (exc, False) if error is None else (error, said)
+        self._all_committed(info, error)
+        if error is None:
+            self._info = None
+            return True
+        if said:
+            return False
+        raise error
 
     def is_decoupled(self) -> bool:
         return self.decoupled
@@ -295,33 +311,6 @@ class CkptioCheckpointEngine(CheckpointEngine):
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.wait()
-
-    def _check_one_save(self, path: str, record: Manifest | None) -> None:
-        """Refuse a tag whose files two saves wrote: a save_checkpoint of an existing tag cut
-        short replaces some of its files and leaves the others as the earlier save wrote them,
-        and DeepSpeed's ``latest`` names that tag all along. The files this rank reads are
-        compared; a file of a save over an existing tag has every file of the tag compared
-        (once per folder), as a rank may read only files of one of the two saves."""
-        stands, over = recorded(path, record)
-        if stands is None:
-            return
-        folder = os.path.dirname(os.path.abspath(path))
-        first, before = self._seen.get(folder, (path, stands))
-        if first == path:
-            before = stands  # read again: what it holds now
-        elif before != stands:
-            before = recorded(first)[0] or stands  # saved again since it was read: the new one
-        self._seen[folder] = (first, before) if before != stands else (path, stands)
-        if before == stands and over and folder not in self._scanned:
-            self._scanned.add(folder)
-            first, before = other_save(folder, stands) or (first, before)
-        if before != stands:
-            raise IncompleteCheckpointError(
-                f"DeepSpeed tag {folder} holds files of two saves: {first} from the one at "
-                f"{before}, {path} from the one at {stands} (a save_checkpoint of this tag cut "
-                "short left the rest of the earlier save), so they are not one training state; "
-                "load another tag (load_checkpoint(load_dir, tag=...)) and give each save a tag "
-                "of its own (DeepSpeed's default, global_step<N>)")
 
 
 def _training(engine: Any) -> Callable[[], str | None]:

@@ -21,7 +21,7 @@ from ckptio.format.types import Manifest
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["OVER", "STANDS", "other_save", "recorded", "to_torch_save"]
+__all__ = ["OVER", "STANDS", "OneSave", "other_save", "recorded", "to_torch_save"]
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
 STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
@@ -141,3 +141,44 @@ def _dp_ranks(folder: str, names: list[str]) -> int:
     except CkptError:  # unreadable here: its conversion below names the damage
         return 0
     return size if isinstance(size, int) else 0
+
+
+class OneSave:
+    """The tag folders one engine's loads read, each checked as one save: a save_checkpoint of
+    an existing tag cut short replaces some of its files and leaves the others as the earlier
+    save wrote them, and DeepSpeed's ``latest`` names that tag all along. The files this rank
+    reads are compared; a file of a save over an existing tag has every file of the tag
+    compared (once per folder), as a rank may read only files of one of the two saves."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
+        self._scanned: set[str] = set()  # tag folders whose files were all compared
+
+    def forget(self, folder: str) -> None:
+        """``folder`` is being saved again: what loads of it saw is no longer there."""
+        self._seen.pop(folder, None)
+        self._scanned.discard(folder)
+
+    def check(self, path: str, record: Manifest | None) -> None:
+        """IncompleteCheckpointError naming a file of each save where ``path`` (its manifest
+        ``record``) and the tag's other files were written by two saves."""
+        stands, over = recorded(path, record)
+        if stands is None:
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        first, before = self._seen.get(folder, (path, stands))
+        if first == path:
+            before = stands  # read again: what it holds now
+        elif before != stands:
+            before = recorded(first)[0] or stands  # saved again since it was read: the new one
+        self._seen[folder] = (first, before) if before != stands else (path, stands)
+        if before == stands and over and folder not in self._scanned:
+            self._scanned.add(folder)
+            first, before = other_save(folder, stands) or (first, before)
+        if before != stands:
+            raise IncompleteCheckpointError(
+                f"DeepSpeed tag {folder} holds files of two saves: {first} from the one at "
+                f"{before}, {path} from the one at {stands} (a save_checkpoint of this tag cut "
+                "short left the rest of the earlier save), so they are not one training state; "
+                "load another tag (load_checkpoint(load_dir, tag=...)) and give each save a tag "
+                "of its own (DeepSpeed's default, global_step<N>)")

@@ -305,3 +305,28 @@ def url_dirs(rank: int, world_size: int, cwd: str) -> list[tuple[str, str]]:
             out.append((type(exc).__name__, str(exc)))
     engine.destroy()
     return out
+
+
+def save_into_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
+    """ZeRO 1, sync: train a step, save_checkpoint into ``save_dir`` (a fault file system fails
+    one rank's write), then train on and save again -> what the first save raised on this rank
+    (type, message), how long it took, and whether the second save went through."""
+    import time
+
+    import ckptio
+    from ckptio.deepspeed_engine import use
+
+    engine = engine_for(1, world_size)
+    use(engine, allow_pickle=True)
+    train(engine, 1)
+    started, error = time.monotonic(), None
+    try:
+        engine.save_checkpoint(save_dir)
+    except ckptio.CkptError as exc:
+        error = (type(exc).__name__, str(exc))
+    seconds = time.monotonic() - started
+    train(engine, 1)
+    engine.save_checkpoint(save_dir)
+    latest = open(os.path.join(save_dir, "latest")).read()
+    engine.destroy()
+    return {"error": error, "seconds": seconds, "latest": latest}

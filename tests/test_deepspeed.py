@@ -24,6 +24,7 @@ import deepspeed_cases as cases  # noqa: E402 - after the skip
 from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
 from ckptio.deepspeed_engine import CkptioCheckpointEngine, use  # noqa: E402
+from ckptio.testing.faultfs import fuse_unusable  # noqa: E402
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
 
 RUNS = [(1, False), (2, True), (3, False), (3, True)]  # (ZeRO stage, decoupled)
@@ -202,12 +203,16 @@ def test_reads_deepspeeds_torch_engine_files(tmp_path: Path) -> None:
 def test_pickle_refused_names_the_fix(tmp_path: Path) -> None:
     """Without the caller's opt-in (allow_pickle, off by default) a DeepSpeed object (here a
     dataclass like its loss scaler) is refused with a CkptError naming the key and the switch;
-    nothing is committed."""
+    nothing is committed. Sync, as DeepSpeed calls it: the refusal is raised by the tag's
+    commit (once every rank knows), and the tag's later files are not written."""
     engine = CkptioCheckpointEngine()
+    engine.create(_info(tmp_path, "t"))
     path = tmp_path / "t" / "optim_states.pt"
+    engine.save({"loss_scaler": _info(tmp_path), "w": torch.ones(2)}, str(path))
+    engine.save({"w": torch.ones(2)}, str(tmp_path / "t" / "later.pt"))
     with pytest.raises(ckptio.UnsupportedStateError, match=r"loss_scaler[\s\S]*allow_pickle"):
-        engine.save({"loss_scaler": _info(tmp_path), "w": torch.ones(2)}, str(path))
-    assert not (path / "manifest.json").exists()
+        engine.commit(_info(tmp_path, "t"))
+    assert not (path / "manifest.json").exists() and not (tmp_path / "t" / "later.pt").exists()
 
 
 def test_use_takes_a_deepspeed_engine() -> None:
@@ -275,3 +280,21 @@ def test_a_url_as_save_or_load_dir_is_refused_on_every_rank_and_makes_no_local_f
     with pytest.raises(ckptio.UnsupportedPathError, match=r"give the folder it names, /dev/shm"):
         CkptioCheckpointEngine().create(CheckpointCommitInfo(tag="t", save_dir="shm://run",
                                                              save_latest=True))
+
+
+@pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
+def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank_at_once(fs: Any) -> None:
+    """ZeRO 1, sync, 2 ranks: the kernel fails rank 1's fsync of its optimizer file (EIO, a
+    FUSE file system). Rank 1's save_checkpoint raises the StorageIOError and rank 0's a
+    RankFailedError naming rank 1 and it, within seconds (before: rank 1 raised at once and,
+    training on, left rank 0 waiting in the commit for Options.step_timeout_s); 'latest' is
+    not moved to the failed tag, and the next save of both goes through."""
+    fs.fail("fsync", r"zero_pp_rank_1_mp_rank_00_optim_states\.pt/data-")
+    got = run_ranks(2, cases.save_into_faults, str(fs.mountpoint / "run"), timeout_s=LIMIT_S)
+    (kind0, said0), (kind1, said1) = got[0]["error"], got[1]["error"]
+    assert kind1 == "StorageIOError" and "Input/output error" in said1, said1
+    assert kind0 == "RankFailedError" and "rank(s) [1]" in said0 and "Input/output" in said0
+    assert "'latest' still names the tag before" in said0
+    assert max(g["seconds"] for g in got) < 30, got
+    assert [g["latest"] for g in got] == ["global_step2"] * 2
+    assert len(fs.fired()) == 1
