@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 from ckptio.convert import convert
 from ckptio.errors import CkptError, IncompleteCheckpointError
@@ -21,7 +22,7 @@ from ckptio.format.types import Manifest
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["OVER", "STANDS", "other_save", "recorded", "to_torch_save"]
+__all__ = ["OVER", "STANDS", "other_save", "recorded", "saves", "to_torch_save"]
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
 STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
@@ -50,6 +51,23 @@ def other_save(folder: str, stands: str) -> tuple[str, str] | None:
         if other is not None and other != stands:
             return os.path.join(folder, name), other
     return None
+
+
+def saves(folder: str, read: Callable[[str], Manifest | None] | None = None
+          ) -> list[tuple[str, list[str]]]:
+    """The ckptio files of tag ``folder`` by the save that wrote them (where training stood
+    then), the save with the most files first: one entry for a tag of one save. ``read``
+    gives a file's manifest (the load's own reader, so that each is read once); files whose
+    save recorded nothing (DeepSpeed's own torch.save files) are left out."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    by: dict[str, list[str]] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        record = read(path) if read is not None and is_committed(path) else None
+        stands = recorded(path, record)[0]
+        if stands is not None:
+            by.setdefault(stands, []).append(path)
+    return sorted(by.items(), key=lambda item: (-len(item[1]), item[0]))
 
 
 def to_torch_save(save_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
