@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 from ckptio.api import Checkpointer
-from ckptio.deepspeed_tags import saves
+from ckptio.deepspeed_tags import missing_rank_file, saves
 from ckptio.distributed.dist import rank_alone_group
 from ckptio.errors import (
     CheckpointNotFoundError,
@@ -61,6 +61,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
         if folder is None:
             return load_checkpoint(*args, **kwargs)
         _check_one_save(engine, folder)
+        _check_every_rank(folder)
         optimizer = given.get("load_optimizer_states", True)
         if engine.zero_optimization_partition_weights():
             _check_zero3_ranks(engine, folder)
@@ -153,6 +154,27 @@ def _check_one_save(engine: Any, folder: str) -> None:
         "other save's (a save_checkpoint of a tag cut short, or a file copied in from another "
         "tag, mixes them); give each save a tag of its own (DeepSpeed's default, "
         "global_step<N>)")
+
+
+def _check_every_rank(folder: str) -> None:
+    """A tag where a kind of ZeRO's per-rank files is missing for some rank (a save cut short
+    before that rank wrote it, the tag loaded by name) is refused on every rank alike: the
+    rank without its file failed while the others went on into ZeRO's collectives; so is a
+    ckptio file of the tag never committed (its write cut short)."""
+    names = sorted(os.listdir(folder))
+    missing = missing_rank_file(folder, names)
+    cut = [os.path.join(folder, n) for n in names if n.endswith(".pt")
+           and os.path.isdir(os.path.join(folder, n)) and not is_committed(os.path.join(folder, n))]
+    if missing is None and not cut:
+        return
+    load_dir = os.path.dirname(folder)
+    what = (f"{missing[0]} is missing (rank(s) {missing[1]} wrote no such file" if missing
+            else f"{cut[0]} was never committed (its write was cut short")
+    raise IncompleteCheckpointError(
+        f"DeepSpeed tag {os.path.basename(folder)!r} ({folder}) is not whole: {what}: a "
+        "save_checkpoint cut short), so no rank loads it (every rank refuses it alike); load "
+        f"another tag, load_checkpoint(load_dir, tag=...) (the tags in {load_dir} are "
+        f"{_tags(load_dir)})")
 
 
 def _listed(paths: list[str]) -> str:

@@ -1,10 +1,11 @@
 """Leftovers of earlier rounds, played as a user would (real processes, the public API):
 
 * a DeepSpeed ZeRO-3 tag holding files of two saves (one rank's file copied in from an older
-  tag) on 2 gloo ranks: the rank whose own files were of one save went on into ZeRO-3's
-  all-gather of its persistent parameters (stage3 checkpoint_event_epilogue) while the other
-  refused, and ended on gloo's "connection closed" (a RuntimeError); now every rank refuses
-  alike, before DeepSpeed reads anything, naming the tag, the other save's files and the fix.
+  tag), or missing one rank's file, on 2 gloo ranks: the rank whose own files were whole went
+  on into ZeRO-3's all-gather of its persistent parameters (stage3 checkpoint_event_epilogue)
+  while the other refused, and ended on gloo's "connection closed" (a RuntimeError); now every
+  rank refuses alike, before DeepSpeed reads anything, naming the tag, the other save's files
+  (or the missing file) and the fix.
 * a local checkpoint whose save lock a process on another host holds (shared storage): a load
   said "interrupted ... or still running" and advised an earlier checkpoint; now it names that
   host and pid, when the lock was taken and its file last written, and to check that job.
@@ -82,10 +83,12 @@ def zero3_loads(rank: int, world_size: int, root: str, tags: list[str]) -> list[
 def test_deepspeed_zero3_tag_of_two_saves_is_refused_alike_on_every_rank(
         tmp_path: Path) -> None:
     """ZeRO-3 on 2 gloo ranks, tags global_step3 and global_step5; copies of global_step5 with
-    one file put back from global_step3 (rank 1's optimizer file; rank 0's model file). Every
-    rank raises an IncompleteCheckpointError within seconds naming the tag, the other save's
-    file and the fix (rank 0 raised gloo's 'Connection closed by peer' RuntimeError from
-    ZeRO-3's all-gather, the other rank's refusal having ended it)."""
+    one file put back from global_step3 (rank 1's optimizer file; rank 0's model file), and
+    with rank 1's optimizer file missing, or never committed (its manifest gone). Every rank
+    raises an IncompleteCheckpointError within seconds naming the tag, the other save's file
+    (or the missing one) and the fix. Before, the rank whose own files were whole went on into
+    ZeRO-3's all-gather: gloo's 'Connection closed by peer' RuntimeError once the refusing
+    rank exited, or a wait for gloo's timeout while it lived on (here, its next engine)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     from ckptio.testing.rank_processes import run_ranks
 
@@ -97,17 +100,27 @@ def test_deepspeed_zero3_tag_of_two_saves_is_refused_alike_on_every_rank(
         shutil.copytree(root / "global_step5", root / tag)
         shutil.rmtree(root / tag / name)
         shutil.copytree(root / "global_step3" / name, root / tag / name)
-    said = run_ranks(2, zero3_loads, str(root), [*swapped, "global_step5"], timeout_s=LIMIT_S)
+    cut = {"missing-optim1": "", "uncommitted-optim1": "manifest.json"}  # the file, its manifest
+    for tag, part in cut.items():
+        shutil.copytree(root / "global_step5", root / tag)
+        gone = root / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt" / part
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    said = run_ranks(2, zero3_loads, str(root), [*swapped, *cut, "global_step5"],
+                     timeout_s=LIMIT_S)
     for rank in (0, 1):
-        for i, (tag, name) in enumerate(swapped.items()):
+        for i, tag in enumerate([*swapped, *cut]):
             text = said[rank][i]
             seconds = float(text[1:text.index(" s]")])
             assert "ckptio.errors.IncompleteCheckpointError" in text, (rank, text)
             assert seconds < LOAD_BOUND_S, (rank, text)
-            assert f"DeepSpeed tag {tag!r}" in text and f"['{name}'] from the one at " \
-                "global_steps=3" in text, (rank, text)
-            assert "global_steps=5" in text and "tag=..." in text, (rank, text)
-            assert "global_step3" in text and "put back" in text, (rank, text)
+            assert f"DeepSpeed tag {tag!r}" in text and "tag=..." in text, (rank, text)
+            assert "global_step3" in text, (rank, text)  # the tags there, named
+            if tag in swapped:
+                assert f"['{swapped[tag]}'] from the one at global_steps=3" in text, text
+                assert "global_steps=5" in text and "put back" in text, (rank, text)
+            else:
+                assert f"{tag}/zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in text \
+                    or "was never committed" in text, (rank, text)
         assert said[rank][-1].endswith("loaded"), said[rank][-1]
 
 
