@@ -4,12 +4,13 @@ error from inside ZeRO, or a torch.load of its own, refused first as a CkptError
 file, the keys or ranks, and the fix (docs/guides/deepspeed.md).
 
 Owns: those checks, made before DeepSpeed reads anything: the tag folder a load reads (named,
-or from ``latest``), the saved ZeRO parameter shapes against the model's, the number of ZeRO-3
-ranks, and ZeRO-3 weights without optimizer states; and, where a load finds no ``latest`` (a
-fresh start), the warning naming a run spelled alike beside it (a mistyped directory); and
-that a save's or load's directory is a local path (``local_only``: DeepSpeed reaches ``latest``
-and its tag folders with local file calls, so a URL would land in a local folder named
-``s3:``). Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
+or from ``latest``) and that its files are of one save (alike on every rank), the saved ZeRO
+parameter shapes against the model's, the number of ZeRO-3 ranks, and ZeRO-3 weights without
+optimizer states; where a load finds no ``latest`` (a fresh start), the warning naming a run
+spelled alike beside it (a mistyped directory); and that a save's or load's directory is a
+local path (``local_only``: DeepSpeed reaches ``latest`` and its tag folders with local file
+calls, so a URL would land in a local folder named ``s3:``).
+Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import warnings
 from typing import Any
 
 from ckptio.api import Checkpointer
-from ckptio.distributed.dist import rank_alone_group
+from ckptio.deepspeed_tags import missing_rank_file, saves
+from ckptio.distributed.dist import current_group, over_torch, rank_alone_group
 from ckptio.errors import (
     CheckpointNotFoundError,
+    IncompleteCheckpointError,
     PickleRefusedError,
     StateMismatchError,
     UnsupportedPathError,
@@ -80,6 +83,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
         folder = None if universal else _tag_folder(os.fspath(given["load_dir"]), given.get("tag"))
         if folder is None:
             return load_checkpoint(*args, **kwargs)
+        _whole_tag(engine, folder)
         optimizer = given.get("load_optimizer_states", True)
         if engine.zero_optimization_partition_weights():
             _check_zero3_ranks(engine, folder)
@@ -148,6 +152,79 @@ def _model_files(folder: str) -> list[str]:
 def _tags(load_dir: str) -> list[str]:
     names = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
     return [n for n in names if _model_files(os.path.join(load_dir, n))]
+
+
+def _whole_tag(engine: Any, folder: str) -> None:
+    """``_check_one_save`` and ``_check_every_rank``, made by rank 0 alone and its refusal
+    raised on every rank: they read the manifest of every file of the tag, which on every rank
+    made each read all ranks' files."""
+    ours = getattr(engine, "checkpoint_engine", None)
+    group = current_group()
+    ranks = None if group is None else over_torch(group, getattr(ours, "options", None))
+    error: IncompleteCheckpointError | None = None
+    if ranks is None or ranks.rank == 0:
+        try:
+            _check_one_save(engine, folder)
+            _check_every_rank(folder)
+        except IncompleteCheckpointError as exc:
+            error = exc
+    if ranks is not None:
+        said = ranks.broadcast((str(error) if error else "").encode() if ranks.rank == 0
+                               else None)
+        if error is None and said:
+            error = IncompleteCheckpointError(said.decode(errors="replace"))
+    if error is not None:
+        raise error
+
+
+def _check_one_save(engine: Any, folder: str) -> None:
+    """A tag whose files two saves wrote (a save_checkpoint of the tag cut short, a file
+    copied in from another tag) is refused on every rank alike, before DeepSpeed reads
+    anything: a rank whose own files are of one save went on into ZeRO's collectives while
+    the rank that read the other save's file failed, and ended on gloo's 'connection closed'
+    (or waited for its timeout, the failed rank still alive)."""
+    reader = getattr(getattr(engine, "checkpoint_engine", None), "manifest", None)
+    found = saves(folder, reader if callable(reader) else None)
+    if len(found) < 2:
+        return
+    (stands, files), others = found[0], found[1:]
+    other = "; ".join(f"{_listed(paths)} from the one at {at}" for at, paths in others)
+    raise IncompleteCheckpointError(
+        f"DeepSpeed tag {os.path.basename(folder)!r} ({folder}) holds files of "
+        f"{'two' if len(found) == 2 else len(found)} saves: "
+        f"{_listed(files)} from the save at {stands}, and {other}, so they are not one "
+        "training state and no rank loads it (every rank refuses it alike). Load another tag, "
+        f"load_checkpoint(load_dir, tag=...) (the tags in {os.path.dirname(folder)} are "
+        f"{_tags(os.path.dirname(folder))}), or put back that tag's own files in place of the "
+        "other save's (a save_checkpoint of a tag cut short, or a file copied in from another "
+        "tag, mixes them); give each save a tag of its own (DeepSpeed's default, "
+        "global_step<N>)")
+
+
+def _check_every_rank(folder: str) -> None:
+    """A tag where a kind of ZeRO's per-rank files is missing for some rank (a save cut short
+    before that rank wrote it, the tag loaded by name) is refused on every rank alike: the
+    rank without its file failed while the others went on into ZeRO's collectives; so is a
+    ckptio file of the tag never committed (its write cut short)."""
+    names = sorted(os.listdir(folder))
+    missing = missing_rank_file(folder, names)
+    cut = [os.path.join(folder, n) for n in names if n.endswith(".pt")
+           and os.path.isdir(os.path.join(folder, n)) and not is_committed(os.path.join(folder, n))]
+    if missing is None and not cut:
+        return
+    load_dir = os.path.dirname(folder)
+    what = (f"{missing[0]} is missing (rank(s) {missing[1]} wrote no such file" if missing
+            else f"{cut[0]} was never committed (its write was cut short")
+    raise IncompleteCheckpointError(
+        f"DeepSpeed tag {os.path.basename(folder)!r} ({folder}) is not whole: {what}: a "
+        "save_checkpoint cut short), so no rank loads it (every rank refuses it alike); load "
+        f"another tag, load_checkpoint(load_dir, tag=...) (the tags in {load_dir} are "
+        f"{_tags(load_dir)})")
+
+
+def _listed(paths: list[str]) -> str:
+    names = [os.path.basename(p) for p in paths]
+    return f"{names[:6]}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
 
 
 def _check_parameters(engine: Any, folder: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 from ckptio.convert import convert
 from ckptio.errors import CkptError, IncompleteCheckpointError
@@ -21,7 +22,8 @@ from ckptio.format.types import Manifest
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["OVER", "STANDS", "OneSave", "other_save", "recorded", "to_torch_save"]
+__all__ = ["OVER", "STANDS", "OneSave", "missing_rank_file", "other_save", "recorded", "saves",
+           "to_torch_save"]
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
 STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
@@ -50,6 +52,23 @@ def other_save(folder: str, stands: str) -> tuple[str, str] | None:
         if other is not None and other != stands:
             return os.path.join(folder, name), other
     return None
+
+
+def saves(folder: str, read: Callable[[str], Manifest | None] | None = None
+          ) -> list[tuple[str, list[str]]]:
+    """The ckptio files of tag ``folder`` by the save that wrote them (where training stood
+    then), the save with the most files first: one entry for a tag of one save. ``read``
+    gives a file's manifest (the load's own reader, so that each is read once); files whose
+    save recorded nothing (DeepSpeed's own torch.save files) are left out."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    by: dict[str, list[str]] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        record = read(path) if read is not None and is_committed(path) else None
+        stands = recorded(path, record)[0]
+        if stands is not None:
+            by.setdefault(stands, []).append(path)
+    return sorted(by.items(), key=lambda item: (-len(item[1]), item[0]))
 
 
 def to_torch_save(save_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
@@ -109,25 +128,34 @@ def _one_save(folder: str) -> None:
 
 
 def _every_rank(folder: str, names: list[str]) -> None:
-    """Refuse ``folder`` if a kind of per-rank file (ZeRO's ``zero_pp_rank_<r>_...``) is
-    missing for a rank of the save (the data-parallel ranks its model states file records, or
-    a rank another kind has): a save cut short before that rank wrote it, which a load on
-    that rank refuses (the file is not there)."""
+    """Refuse ``folder`` if a kind of per-rank file is missing for a rank of the save (the
+    data-parallel ranks its model states file records, or a rank another kind has): a save cut
+    short before that rank wrote it, which a load on that rank refuses (the file is not there)."""
+    missing = missing_rank_file(folder, names, _dp_ranks(folder, names))
+    if missing is not None:
+        raise IncompleteCheckpointError(
+            f"DeepSpeed tag {folder} is not whole: {missing[0]} is missing (rank(s) "
+            f"{missing[1]} wrote no such file; a save_checkpoint cut short), so a load on that "
+            "rank refuses it and to_torch_save does not copy it; remove that tag folder and "
+            "convert again")
+
+
+def missing_rank_file(folder: str, names: list[str], ranks: int = 0
+                      ) -> tuple[str, list[int]] | None:
+    """A kind of per-rank file (ZeRO's ``zero_pp_rank_<r>_...``) of tag ``folder`` (holding
+    ``names``) missing for a rank: (the first such file's path, the ranks without one); the
+    ranks are those of the save where known (``ranks``), and those any kind has a file of."""
     kinds: dict[str, set[int]] = {}
     for name in names:
         match = _RANK_FILE.match(name)
         if match is not None:
             kinds.setdefault(match.group(2), set()).add(int(match.group(1)))
-    ranks = set().union(*kinds.values()) | set(range(_dp_ranks(folder, names)))
+    every = set().union(*kinds.values()) | set(range(ranks))
     for kind, have in sorted(kinds.items()):
-        missing = sorted(ranks - have)
+        missing = sorted(every - have)
         if missing:
-            path = os.path.join(folder, f"zero_pp_rank_{missing[0]}_{kind}")
-            raise IncompleteCheckpointError(
-                f"DeepSpeed tag {folder} is not whole: {path} is missing (rank(s) {missing} "
-                "wrote no such file; a save_checkpoint cut short), so a load on that rank "
-                "refuses it and to_torch_save does not copy it; remove that tag folder and "
-                "convert again")
+            return os.path.join(folder, f"zero_pp_rank_{missing[0]}_{kind}"), missing
+    return None
 
 
 def _dp_ranks(folder: str, names: list[str]) -> int:

@@ -40,7 +40,7 @@ from ckptio.options import Options
 from ckptio.redundancy import marks
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import checkpoint_path, root_for, scheme_for, scheme_of, store_for
-from ckptio.storage.steproot import ForeignRoot, ListedRoot
+from ckptio.storage.steproot import ListedRoot, foreign_steps
 
 __all__ = ["RANKS_SCHEMA", "SCHEMA", "Step", "list_ranks", "list_run", "protected", "run",
            "run_ranks"]
@@ -78,7 +78,7 @@ def list_run(location: str) -> list[Step] | None:
         return None
     listing = root.scan()
     found = [(s, "committed", root.path(s)) for s in listing["committed"]]
-    foreign = set(root.foreign(listing["incomplete"])) if isinstance(root, ForeignRoot) else set()
+    foreign = set(foreign_steps(root, listing["incomplete"], store_for))
     found += [(s, "torch_checkpointing" if s in foreign else "incomplete", root.path(s))
               for s in listing["incomplete"]]
     found += [(s, "being deleted", where) for s, where in root.being_deleted()]

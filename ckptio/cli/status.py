@@ -39,7 +39,7 @@ from ckptio.redundancy import marks
 from ckptio.storage import missing_manifest
 from ckptio.storage.local import dirlock
 from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
-from ckptio.storage.steproot import ForeignRoot
+from ckptio.storage.steproot import foreign_steps
 
 __all__ = ["run", "tiers_status"]
 
@@ -96,7 +96,7 @@ def _listing(k: int, location: str, options: Options,
             copying[step] = source
     bases = {str(s): list(b) for s in listing["committed"]
              if (b := _bases(root.path(s), options))}
-    foreign = root.foreign(listing["incomplete"]) if isinstance(root, ForeignRoot) else []
+    foreign = foreign_steps(root, listing["incomplete"], lambda where: store_for(where, options))
     row = {"tier": k, "location": location, "committed": listing["committed"], "bases": bases,
            "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
            "incomplete": [s for s in listing["incomplete"]

@@ -46,7 +46,7 @@ from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.steps import check_files
 from ckptio.storage.select import store_for
-from ckptio.storage.steproot import ForeignRoot, Lease, LeasedRoot, Listing, StepRoot
+from ckptio.storage.steproot import Lease, LeasedRoot, Listing, StepRoot, foreign_steps
 from ckptio.storage.store_contract import Store
 
 __all__ = ["TierSteps"]
@@ -108,10 +108,10 @@ class TierSteps:
 
     def foreign(self, incomplete: list[int], *, listed: bool = False) -> list[int]:
         """Those of ``incomplete`` (the last scan()'s, or listing()'s where ``listed``) that
-        hold a torch_checkpointing checkpoint (steproot.ForeignRoot; a root that cannot tell
-        says none)."""
+        hold a torch_checkpointing checkpoint (steproot.foreign_steps: any root, its steps'
+        Stores looked at where the root's listing cannot tell)."""
         root = self._lister if listed else self._root
-        return root.foreign(incomplete) if isinstance(root, ForeignRoot) else []
+        return foreign_steps(root, incomplete, lambda where: store_for(where, self.options))
 
     def lease(self, take_over: bool, *, create: bool) -> Lease | None:
         """Rank 0: this tier's run lease, where its root keeps one live job per run (a local

@@ -59,15 +59,26 @@ def spelled_alike(name: str, siblings: list[str]) -> list[str]:
 def no_manifest(location: str, names: list[str],
                 is_checkpoint: Callable[[str], bool] = lambda name: False,
                 is_tc: Callable[[str], bool] = lambda name: False,
-                saving: str | None = None, ended: str | None = None) -> CkptError:
+                saving: str | None = None, ended: str | None = None, *,
+                elsewhere: str | None = None) -> CkptError:
     """The error for ``location`` holding ``names`` (every entry, sorted) and no committed
     manifest: IncompleteCheckpointError for a ckptio save's leftovers, else
     CheckpointNotFoundError saying what it is. ``is_checkpoint(name)``: whether the entry
     ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints); ``is_tc(name)``:
     whether the step ``name`` holds a torch_checkpointing checkpoint (a run of its steps);
     ``saving``: who holds the location's save lock, a save still running; ``ended``: why its
-    save is known to have ended without a commit (its holder gone, its lease expired)."""
+    save is known to have ended without a commit (its holder gone, its lease expired);
+    ``elsewhere``: the save its lock names, on another host (shared storage), where whether it
+    still runs cannot be told from here."""
     partial = [n for n in names if is_ours(n) or n == LOCK_NAME]
+    if partial and elsewhere is not None:
+        return IncompleteCheckpointError(
+            f"{location} holds no committed manifest ({MANIFEST_NAME}) yet, only "
+            f"{len(partial)} file(s) of {elsewhere} ({_some(partial)}); whether that save still "
+            "runs cannot be told from this host: check that job on that host. If it is still "
+            "saving, wait for it to finish and load again; if it ended, its save was cut short "
+            "before its commit and no committed checkpoint exists here: load an earlier "
+            "checkpoint (a later save into this path replaces those files)")
     if partial and saving is not None:
         return IncompleteCheckpointError(
             f"{location} holds no committed checkpoint yet: a save into it ({saving}) is still "

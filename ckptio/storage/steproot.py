@@ -1,9 +1,8 @@
 """The root a CheckpointManager keeps its steps in, as a small protocol: StepRoot.
 
-A scheme's registry entry (select.py) names the factory of its root: a local directory
-(local/local_root.py: ``<dir>/step-<N>``), host memory (memory/memory_root.py: ``mem://run/step-<N>``), an S3
-prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers with
-``register_store(..., step_root=...)``. The manager goes only through these methods:
+A scheme's registry entry (select.py) names its root's factory: a local directory, host memory,
+an S3 prefix, or a user's (``register_store(..., step_root=...)``). The manager goes only
+through these methods:
 
 - ``path(step)``: the step's checkpoint location (what select.store_for serves);
 - ``scan()``: the steps there, committed and incomplete (steps being removed are not listed);
@@ -16,8 +15,9 @@ prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers
   nothing a restore could mean: restore() then returns None instead of raising).
 
 Optional: ``lease(take_over, create=)`` (LeasedRoot), ``being_deleted()`` and ``usage(where)``
-for ``ckptio ls RUN`` (ListedRoot), ``foreign(incomplete)`` (ForeignRoot: the incomplete steps
-holding a torch_checkpointing checkpoint, ``is_tc_file``, from the names scan() listed).
+for ``ckptio ls RUN`` (ListedRoot), ``foreign(incomplete)`` (ForeignRoot: which incomplete
+steps hold a torch_checkpointing checkpoint, from scan()'s names). Every root is asked that
+through ``foreign_steps`` (a user's root without ``foreign`` too: through its Stores).
 
 Owns: the protocol, which names are steps (``step-N`` exactly) or a torch_checkpointing
 checkpoint's, the hidden names a rename-based root gives a dropped step, the wording of
@@ -33,9 +33,13 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from ckptio.errors import CkptError
+from ckptio.storage.store_contract import Store, TreeStore
+
 __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
+    "foreign_steps",
     "Claimable",
     "Lease",
     "LeasedRoot",
@@ -179,6 +183,27 @@ def is_tc_file(name: str) -> bool:
     checkpoint: its ``metadata.pkl`` or an item's rank 0 file ``<item>_0.pt`` (every
     checkpoint of it has one; no ckptio save writes either)."""
     return name == TC_METADATA or _TC_RANK0.match(name) is not None
+
+
+def foreign_steps(root: StepRoot, incomplete: list[int],
+                  store_at: Callable[[str], Store]) -> list[int]:
+    """Those of ``incomplete`` (steps ``root`` listed as incomplete) holding a torch_checkpointing
+    checkpoint, ascending: a ForeignRoot's answer (from its listing, no request per step), else
+    each step's Store (``store_at(root.path(step))``) looked at; a step that cannot be looked at
+    is not one (the load of it says why)."""
+    if isinstance(root, ForeignRoot):
+        return root.foreign(incomplete)
+    return [step for step in sorted(incomplete) if _holds_tc(store_at(root.path(step)))]
+
+
+def _holds_tc(store: Store) -> bool:
+    """Whether ``store`` holds a torch_checkpointing checkpoint's files (is_tc_file)."""
+    try:
+        if store.sizes([TC_METADATA]):
+            return True
+        return isinstance(store, TreeStore) and any(map(is_tc_file, store.entries()))
+    except CkptError:
+        return False
 
 
 def hidden_name(step: int) -> str:

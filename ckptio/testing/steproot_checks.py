@@ -1,7 +1,8 @@
 """The StepRoot checks: an empty root, step paths that are store locations, steps listed in
 ascending order and only real step names, hiding then removing steps (one, or finished by
-another handle), hiding a missing step, a location holding nothing of ckptio, and a refused
-hide or removal that warns, names the path and is found due again.
+another handle), hiding a missing step, a location holding nothing of ckptio, the steps
+holding a torch_checkpointing checkpoint found, and a refused hide or removal that warns,
+names the path and is found due again.
 
 Call order: each ``check_*(roots)`` runs one group of checks and raises AssertionError (or
 the root's own error); steproot_conformance.py runs them all, or as pytest tests.
@@ -13,6 +14,7 @@ Owns: these checks. Does not own: their helpers (steproot_check_tools.py), the r
 from __future__ import annotations
 
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.steproot import foreign_steps
 from ckptio.testing.steproot_check_tools import (
     EMPTY,
     NOT_STEPS,
@@ -43,6 +45,7 @@ __all__ = [
     "check_removal_of_one_step",
     "check_removal_refused",
     "check_scan_lists_steps_ascending",
+    "check_torch_checkpointing_steps_found",
 ]
 
 
@@ -218,6 +221,25 @@ def check_nothing_here(roots: Roots) -> None:
     message = emptied.nothing_here()
     assert message.startswith("no checkpoint to restore") and "step-1" not in message, message
     assert_no_deletion_advice(message)
+
+
+def check_torch_checkpointing_steps_found(roots: Roots) -> None:
+    """A step holding a torch_checkpointing checkpoint (an item's ``<item>_0.pt``, or its
+    ``metadata.pkl``) is listed incomplete and found by steproot.foreign_steps, which a
+    manager's restore and retention, ``ckptio ls`` and ``ckptio status`` ask (one place for
+    every root: a root a user registers too); a ckptio save cut short, or another rank's file
+    alone, is not one."""
+    root = roots.make("torch-checkpointing")
+    commit_step(roots, root, 1)
+    for name in ("model_0.pt", "model_1.pt"):
+        put_file(roots, root.path(3), name)
+    put_file(roots, root.path(5), "metadata.pkl")
+    start_step(roots, root, 7)
+    put_file(roots, root.path(9), "model_1.pt")
+    listing = root.scan()
+    assert listing == {"committed": [1], "incomplete": [3, 5, 7, 9]}, listing
+    found = foreign_steps(root, listing["incomplete"], roots.store_at)
+    assert found == [3, 5], f"torch_checkpointing steps found: {found}, not [3, 5]"
 
 
 def check_hide_refused(roots: Roots, refuse: Refuser) -> None:

@@ -35,6 +35,7 @@ from ckptio.testing.steproot_checks import (
     check_removal_of_one_step,
     check_removal_refused,
     check_scan_lists_steps_ascending,
+    check_torch_checkpointing_steps_found,
 )
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
     "check_non_step_names_never_listed", "check_nothing_here",
     "check_other_handle_finishes_removal", "check_path_is_a_store_location",
     "check_removal_of_one_step", "check_removal_refused", "check_scan_lists_steps_ascending",
-    "commit_by_ckptio", "commit_by_store", "run_all",
+    "check_torch_checkpointing_steps_found", "commit_by_ckptio", "commit_by_store", "run_all",
 ]
 
 
@@ -57,6 +58,7 @@ CHECKS: dict[str, Callable[[Roots], None]] = {
     "other_handle_finishes_removal": check_other_handle_finishes_removal,
     "hide_missing_step": check_hide_missing_step,
     "nothing_here": check_nothing_here,
+    "torch_checkpointing_steps_found": check_torch_checkpointing_steps_found,
 }
 
 
@@ -123,6 +125,9 @@ class StepRootConformance:
 
     def test_nothing_here(self, roots: Roots) -> None:
         check_nothing_here(roots)
+
+    def test_torch_checkpointing_steps_found(self, roots: Roots) -> None:
+        check_torch_checkpointing_steps_found(roots)
 
     def test_hide_refused(self, roots: Roots, refuse_hide: Refuser | None) -> None:
         if refuse_hide is None:

@@ -103,19 +103,43 @@ def unlock(held: DirLock, *, failed: bool = False) -> None:
         _remove_if_empty(held.path)
 
 
-def in_flight(path: str) -> tuple[str | None, str | None]:
+def in_flight(path: str) -> tuple[str | None, str | None, str | None]:
     """The save the lock file of ``path`` records, for a load that finds no manifest there:
-    (who holds it, "host h, pid p, since s", None) for a process alive on this host, (None, why
-    it is known to have ended: its holder provably gone), or (None, None): no lock file or
-    record, or a holder on another host or boot (alive or not: it cannot be told from here).
-    Only reads the file: the lock is never taken, so no save waits for a reader."""
+    (who holds it, "host h, pid p, since s", None, None) for a process alive on this host;
+    (None, why it is known to have ended: its holder provably gone, None); (None, None, that
+    save named with when it took the lock and when its lock file was last written) for a holder
+    on another host or boot (shared storage), alive or not: it cannot be told from here; or
+    (None, None, None): no lock file or record. Only reads the file: the lock is never taken,
+    so no save waits for a reader."""
+    file = os.path.join(path, LOCK_NAME)
     try:
-        with open(os.path.join(path, LOCK_NAME), "rb") as f:
+        with open(file, "rb") as f:
             record = json.loads(f.read(holders.RECORD_MAX_NBYTES))
+            written = time.time() - os.fstat(f.fileno()).st_mtime
     except (OSError, ValueError):
-        return None, None
-    gone = holders.dead(record) if isinstance(record, dict) else None
-    return holders.running_here(record), None if gone is None else f"its holder, {gone}"
+        return None, None, None
+    if not isinstance(record, dict):
+        return None, None, None
+    gone = holders.dead(record)
+    if gone is not None:
+        return None, f"its holder, {gone}", None
+    here = holders.running_here(record)
+    if here is not None:
+        return here, None, None
+    return None, None, _elsewhere(record, written)
+
+
+def _elsewhere(record: dict[str, object], written_s: float) -> str | None:
+    """A holder that is not a process of this host and boot, named for a reader on this host
+    (None: the record names no other host, or no pid: nothing to check)."""
+    host, pid = record.get("host"), record.get("pid")
+    if not isinstance(host, str) or not host or not isinstance(pid, int):
+        return None
+    where = (f"host {host}" if host != socket.gethostname()
+             else f"host {host} (a boot of it before this one, or another machine so named)")
+    return (f"a save by {where}, pid {pid}, which took the lock {holders.ago(record)}, its lock "
+            f"file last written {max(0.0, written_s):.0f} s ago (a save writes it once, when it "
+            "starts)")
 
 
 def _remove_if_empty(path: str) -> None:

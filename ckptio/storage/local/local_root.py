@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Callable, Sequence
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.local.local_store import LocalStore, committed_at, holds_tc
+from ckptio.storage.local.local_store import LocalStore, committed_at
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.local import runlease
 from ckptio.storage.local.runlease import RunLease, not_a_run_directory
@@ -95,12 +95,6 @@ class LocalRoot:
 
     def is_committed(self, step: int) -> bool:
         return is_committed(self.path(step))
-
-    def foreign(self, incomplete: list[int]) -> list[int]:
-        """ForeignRoot: those of ``incomplete`` holding a torch_checkpointing checkpoint (a
-        listing of each: no request to spare on a local directory)."""
-        return [step for step in sorted(incomplete)
-                if holds_tc(self.path(step))]
 
     def hide(self, step: int) -> bool:
         """Rename the step out of the listing (atomic); False (and a warning) if that failed."""

@@ -229,11 +229,12 @@ class LocalStore:
             names = sorted(os.listdir(self.directory))
         except OSError as exc:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
-        saving, ended = dirlock.in_flight(self.directory)
+        saving, ended, elsewhere = dirlock.in_flight(self.directory)
         return missing_manifest.no_manifest(
             self.location, names,
             lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),
-            lambda name: holds_tc(os.path.join(self.directory, name)), saving, ended)
+            lambda name: holds_tc(os.path.join(self.directory, name)), saving, ended,
+            elsewhere=elsewhere)
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}

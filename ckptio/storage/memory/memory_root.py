@@ -11,9 +11,9 @@ leaves nothing behind.
 A step a save holds a claim on (MemoryStore.exclusive) is not hidden: that save would commit
 into a location no longer listed.
 
-Owns: MemoryRoot (listing, which steps hold a torch_checkpointing checkpoint, the move, the
-removal, what a memory location holds instead of steps). Does not own: the memory files,
-locations and claims (storage/memory/host_memory.py), the hidden names (steproot.py), which
+Owns: MemoryRoot (listing, the move, the removal, what a memory location holds instead of
+steps). Does not own: the memory files, locations and claims (storage/memory/host_memory.py),
+the hidden names and which steps hold a torch_checkpointing checkpoint (steproot.py), which
 steps to keep or restore (managing/manager.py).
 """
 
@@ -30,7 +30,6 @@ from ckptio.storage.steproot import (
     Removal,
     hidden_name,
     is_hidden,
-    is_tc_file,
     nothing_message,
     step_name,
     step_of,
@@ -73,12 +72,6 @@ class MemoryRoot:
 
     def is_committed(self, step: int) -> bool:
         return _committed(self.path(step))
-
-    def foreign(self, incomplete: list[int]) -> list[int]:
-        """ForeignRoot: those of ``incomplete`` holding a torch_checkpointing checkpoint
-        (written through ckptio.tc_storage into this memory location)."""
-        return [step for step in sorted(incomplete)
-                if any(is_tc_file(name) for name in HOST.entries(self.path(step)))]
 
     def hide(self, step: int) -> bool:
         """Move the step out of the listing (at once); False (and a warning) if there is no
