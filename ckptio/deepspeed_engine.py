@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -89,6 +90,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
+        self.load_group: Callable[[str], Any] = lambda path: rank_alone_group()
+        """The process group a load of a file within a ``load_checkpoint`` runs over (``use``
+        sets it: ``_load_group``); this rank alone by default."""
         self.training: Callable[[], str | None] = lambda: None
         """Where training stands (``use`` sets it from the DeepSpeed engine): stored with each
         file, so that a tag whose files come from two saves is refused at load."""
@@ -156,16 +160,20 @@ class CkptioCheckpointEngine(CheckpointEngine):
         format) loads too, so a job can switch engines between two tags. Its manifest is read
         once; within one load_checkpoint a file loaded again (DeepSpeed loads the model file
         to check it, then to load it) is not read again: its first load's values are handed
-        out again, in a new top-level dict."""
+        out again, in a new top-level dict. Within a load_checkpoint, the ZeRO 1/2 model file
+        that every data-parallel rank loads is loaded by them together (``_load_group``): each
+        of its bytes read from storage by one of them and sent to the others; any other file,
+        and any load outside a load_checkpoint, by this rank alone."""
         self._settle()
         where = os.path.abspath(os.fspath(path))
         if self._loaded is not None and where in self._loaded:
             loaded = self._loaded.pop(where)
         else:
             record = self.manifest(where)
+            group = rank_alone_group() if self._loaded is None else self.load_group(where)
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
-                                            process_group=rank_alone_group(), record=record)
+                                            process_group=group, record=record)
             self._check_one_save(where, record)
             if self._loaded is not None:
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
@@ -303,6 +311,35 @@ def _training(engine: Any) -> Callable[[], str | None]:
     return stands
 
 
+_MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")  # ZeRO 0-2's; ZeRO-3's are per rank
+
+
+def _load_group(engine: Any) -> Callable[[str], Any]:
+    """The process group a load of a DeepSpeed file runs over, for ``engine``. The model file of
+    ZeRO 0-2 (``mp_rank_XX_model_states.pt``): the world without model parallelism, else the
+    engine's data-parallel group (the ranks of one model-parallel rank). DeepSpeed 0.19.8's
+    _load_checkpoint loads the model files on every rank, in an order set by the model-parallel
+    rank alone (its SDLoader loads the first file to check the list, then the file of that rank,
+    or those it merges or splits), so the ranks of one data-parallel group, which share it, load
+    the same files in the same order. Any other file (ZeRO-3's per-rank model files, optimizer
+    files, expert files), a pipeline engine's (its layer files), a universal checkpoint's: this
+    rank alone."""
+    ref = weakref.ref(engine)
+
+    def group(path: str) -> Any:
+        alive = ref()
+        if (alive is None or not _MODEL_FILE.fullmatch(os.path.basename(path))
+                or alive.zero_optimization_partition_weights()
+                or getattr(alive, "pipeline_parallelism", True)
+                or alive.load_universal_checkpoint()):
+            return rank_alone_group()
+        if getattr(alive, "mp_world_size", 1) == 1:  # every rank loads the same files
+            return current_group()
+        return alive.data_parallel_group  # the ranks of this model-parallel rank
+
+    return group
+
+
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose load_checkpoint use() wrapped
 
 
@@ -322,6 +359,7 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
     ours.training = _training(engine)
+    ours.load_group = _load_group(engine)
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)

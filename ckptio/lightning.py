@@ -43,12 +43,13 @@ from ckptio import (
     CkptError,
     IncompleteCheckpointError,
     Options,
+    RankFailedError,
     SaveHandle,
     SaveResult,
     StorageIOError,
     UnsupportedStateError,
 )
-from ckptio.distributed.dist import rank_alone_group
+from ckptio.distributed.dist import current_group, rank_alone_group
 from ckptio.lightning_paths import RunLeases, check_path, refuse_in_fsspec
 from ckptio.lightning_rng import RNGStateCallback
 from ckptio.format.manifest import MANIFEST_NAME
@@ -90,14 +91,22 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         checksums on load (default Options.verify, on). take_over: save into a directory whose
         run lease another job holds (its processes linger after it ended), with a warning; by
         default a second job saving into one directory is refused at its first save, naming
-        the first (ckptio/lightning_paths.py).
+        the first (ckptio/lightning_paths.py). shared_loads (default True): with
+        torch.distributed initialised on more than one rank, ``load_checkpoint`` is a
+        collective of every rank (Lightning's resume, validate/test with ckpt_path and
+        Fabric.load call it on each): each byte read from storage by one rank, sent to the
+        others. A program that calls it on some ranks only (its own call on rank 0) passes
+        shared_loads=False, each rank then loading alone; such a call with it on ends in a
+        RankFailedError saying so once Options.rank_timeout_s has passed.
     ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None, take_over: bool = False) -> None:
+                 verify: bool | None = None, take_over: bool = False,
+                 shared_loads: bool = True) -> None:
         super().__init__()
         self.options = options if options is not None else Options.from_env()
+        self.shared_loads = shared_loads
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
@@ -117,16 +126,28 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's checkpoint dict from ``path``: fresh CPU tensors (moved to
         ``map_location`` when that is a device) and Python values. Errors are CkptErrors
-        naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...)."""
+        naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...). With many
+        ranks, a collective of them all unless shared_loads=False (class docstring)."""
         allow = self.allow_pickle and weights_only is not True
+        group = current_group() if self.shared_loads else rank_alone_group()
         try:
-            loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
-                                            allow_pickle=allow)
-        except IncompleteCheckpointError:
-            other = _committed_instead_of_last(_location(path))
-            if other is None:
+            try:
+                loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
+                                                allow_pickle=allow, process_group=group)
+            except IncompleteCheckpointError:
+                other = _committed_instead_of_last(_location(path))
+                if other is None:
+                    raise
+                loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow,
+                                                process_group=group)
+        except RankFailedError as exc:
+            if not exc.ranks:
                 raise
-            loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow)
+            raise RankFailedError(
+                f"{exc}. ckptio.lightning: load_checkpoint({os.fspath(path)!r}) is a collective "
+                "of every rank (shared_loads=True); rank(s) "
+                f"{list(exc.ranks)} did not take part (or died). To call it on some ranks "
+                "only, pass CheckpointIO(shared_loads=False)", exc.ranks) from None
         if not isinstance(loaded, dict):
             raise CkptError(f"{os.fspath(path)} holds a {type(loaded).__name__}, not a Lightning "
                             "checkpoint (a dict): load it with ckptio.load")
@@ -198,8 +219,10 @@ class AsyncCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None, take_over: bool = False) -> None:
-        super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over)
+                 verify: bool | None = None, take_over: bool = False,
+                 shared_loads: bool = True) -> None:
+        super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over,
+                         shared_loads=shared_loads)
         self._handle: SaveHandle | None = None
         self._removals: list[str | os.PathLike[str]] = []  # once the save in flight commits
 
@@ -270,12 +293,12 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | os.PathLike[str]
         model = ckptio.lightning.load_from_checkpoint(MyModel, "ckpts/epoch=3-step=32.ckpt")
 
     Lightning reads files through ``core.saving.pl_load``; it is replaced for the call (one
-    call at a time in a process)."""
+    call at a time in a process). Each rank that calls it loads alone."""
     package = ("lightning.pytorch" if _is_subclass(cls, "lightning.pytorch", "LightningModule",
                                                     "LightningDataModule")
                else "pytorch_lightning")
     saving: Any = importlib.import_module(f"{package}.core.saving")
-    io = CheckpointIO(options, allow_pickle=allow_pickle)
+    io = CheckpointIO(options, allow_pickle=allow_pickle, shared_loads=False)  # any rank
 
     def read(path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         device = map_location if isinstance(map_location, (str, torch.device)) else None
