@@ -9,7 +9,9 @@ Call order (DeepSpeed 0.19's): ``save_checkpoint`` calls ``create(info)``, ``sav
 once per file this rank writes, then ``commit(info)`` and writes ``latest`` itself; a decoupled
 engine is committed at the next ``step()`` instead (before the optimizer changes anything) or by
 ``commit_now``; ``destroy()`` waits for its files but writes no ``latest`` (warned of).
-``load_checkpoint`` calls ``load(path)`` per file. docs/guides/deepspeed.md.
+``load_checkpoint`` calls ``load(path)`` per file: ZeRO 1/2's model file, which every
+data-parallel rank loads, by those ranks together (each byte read by one of them), any other
+file by this rank alone. docs/guides/deepspeed.md.
 
 Owns: the engine (each DeepSpeed file becomes a ckptio checkpoint, a directory at the file's
 path, written by this rank alone; tensors are never pickled), when a save is durable (sync: on

@@ -49,6 +49,7 @@ from ckptio import (
     StorageIOError,
     UnsupportedStateError,
 )
+from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, rank_alone_group
 from ckptio.lightning_paths import RunLeases, check_path, refuse_in_fsspec
 from ckptio.lightning_rng import RNGStateCallback
@@ -97,7 +98,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         Fabric.load call it on each): each byte read from storage by one rank, sent to the
         others. A program that calls it on some ranks only (its own call on rank 0) passes
         shared_loads=False, each rank then loading alone; such a call with it on ends in a
-        RankFailedError saying so once Options.rank_timeout_s has passed.
+        RankFailedError saying so within Options.rank_timeout_s.
     ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
     """
 
@@ -129,25 +130,16 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...). With many
         ranks, a collective of them all unless shared_loads=False (class docstring)."""
         allow = self.allow_pickle and weights_only is not True
-        group = current_group() if self.shared_loads else rank_alone_group()
+        group = self._load_group(os.fspath(path))
         try:
-            try:
-                loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
-                                                allow_pickle=allow, process_group=group)
-            except IncompleteCheckpointError:
-                other = _committed_instead_of_last(_location(path))
-                if other is None:
-                    raise
-                loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow,
-                                                process_group=group)
-        except RankFailedError as exc:
-            if not exc.ranks:
+            loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
+                                            allow_pickle=allow, process_group=group)
+        except IncompleteCheckpointError:
+            other = _committed_instead_of_last(_location(path))
+            if other is None:
                 raise
-            raise RankFailedError(
-                f"{exc}. ckptio.lightning: load_checkpoint({os.fspath(path)!r}) is a collective "
-                "of every rank (shared_loads=True); rank(s) "
-                f"{list(exc.ranks)} did not take part (or died). To call it on some ranks "
-                "only, pass CheckpointIO(shared_loads=False)", exc.ranks) from None
+            loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow,
+                                            process_group=group)
         if not isinstance(loaded, dict):
             raise CkptError(f"{os.fspath(path)} holds a {type(loaded).__name__}, not a Lightning "
                             "checkpoint (a dict): load it with ckptio.load")
@@ -197,6 +189,21 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                 raise StorageIOError(f"cannot replace the symlink {target} by a checkpoint: "
                                      f"{exc.strerror or exc}") from None
         return target
+
+    def _load_group(self, path: str) -> Any:
+        """The ranks a load of ``path`` runs over: with shared_loads and many ranks, all of
+        them, once all have come (within Options.rank_timeout_s); else this rank alone."""
+        group = current_group() if self.shared_loads else None
+        if group is None:
+            return rank_alone_group()
+        missing = arrive(group, "lightning-load", self.options.rank_timeout_s)
+        if missing:
+            raise RankFailedError(
+                f"ckptio.lightning: load_checkpoint({path!r}) loads on every rank together "
+                f"(shared_loads=True), and rank(s) {list(missing)} did not call it within "
+                f"{self.options.rank_timeout_s:g} s (Options.rank_timeout_s). To call it on "
+                "some ranks only, pass CheckpointIO(shared_loads=False)", missing)
+        return group
 
     def _own_group(self) -> Any:
         """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
