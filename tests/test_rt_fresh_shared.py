@@ -388,6 +388,7 @@ def test_a_lightning_load_on_one_rank_only_ends_in_an_error_naming_the_switch(
     assert sum(g["read"] for g in got) <= 1.25 * _data_nbytes(path), got
 
 
+@pytest.mark.slow
 def test_round_ten_counts(tmp_path: Path) -> None:
     """docs/BENCH_RESTART.md, round ten: the data bytes each of 2 ranks reads, each load as
     before (every rank alone: no process_group, the DeepSpeed engine's files loaded alone,
