@@ -38,6 +38,7 @@ from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load
 from ckptio.deepspeed_tags import OVER, STANDS, other_save, recorded, to_torch_save
+from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
 from ckptio.errors import (
     CkptError,
@@ -172,7 +173,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
             loaded = self._loaded.pop(where)
         else:
             record = self.manifest(where)
-            group = rank_alone_group() if self._loaded is None else self.load_group(where)
+            group = rank_alone_group() if self._loaded is None else self._shared(where)
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
                                             process_group=group, record=record)
@@ -181,6 +182,21 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
         device = _device(map_location)
         return loaded if device is None else _to_device(loaded, device)
+
+    def _shared(self, path: str) -> Any:
+        """``load_group(path)`` once all its ranks have come to this load (within
+        Options.rank_timeout_s: DeepSpeed's load_checkpoint may be called on some ranks only,
+        a ZeRO 1/2 one has no collective of its own), else this rank alone, warned of."""
+        group = self.load_group(path)
+        if group is None or group is rank_alone_group():
+            return group
+        missing = arrive(group, "deepspeed-load", self.options.rank_timeout_s)
+        if not missing:
+            return group
+        warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {list(missing)} of "
+                      "the ranks that load it did not load it within Options.rank_timeout_s "
+                      "(load_checkpoint called on some ranks only?)", UserWarning, stacklevel=4)
+        return rank_alone_group()
 
     def manifest(self, path: str) -> Manifest | None:
         """The ckptio manifest of DeepSpeed file ``path`` (None: a torch.save file, as

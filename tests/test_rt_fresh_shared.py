@@ -290,12 +290,13 @@ def _flat_snapshot(snap: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_a_deepspeed_zero_1_2_resume_reads_the_model_file_once_in_all(tmp_path: Path) -> None:
-    """Both data-parallel ranks load mp_rank_00_model_states.pt: read once in all (before:
-    once per rank), and the resume is bitwise the uninterrupted run."""
+def test_a_deepspeed_zero_0_1_2_resume_reads_the_model_file_once_in_all(tmp_path: Path) -> None:
+    """Both data-parallel ranks load mp_rank_00_model_states.pt (ZeRO 0: the optimizer's
+    state in it too): read once in all (before: once per rank), and the resume is bitwise
+    the uninterrupted run."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (its extra has it)")
-    got = run_ranks(2, _deepspeed_resume, str(tmp_path), [1, 2], timeout_s=240)
-    for stage in (0, 1):
+    got = run_ranks(2, _deepspeed_resume, str(tmp_path), [0, 1, 2], timeout_s=240)
+    for stage in (0, 1, 2):
         both = [got[0][stage], got[1][stage]]
         assert all(s["bitwise"] for s in both), both
         size = both[0]["size"]
@@ -440,3 +441,41 @@ def test_a_shared_lightning_load_of_an_uncommitted_last_falls_back_on_every_rank
     assert all(g["equal"] and g["warned"] for g in got), got
     size = _data_nbytes(str(tmp_path / "epoch=1.ckpt"))
     assert sum(g["read"] for g in got) <= 1.25 * size, got
+
+
+def _deepspeed_load_on_rank_0(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ZeRO 1 on both ranks; then load_checkpoint on rank 0 only (DeepSpeed's ZeRO 1/2 load has
+    no collective of its own) -> whether it loaded the saved state, its seconds and warnings."""
+    import deepspeed_cases as cases
+
+    import ckptio.deepspeed_engine
+
+    first = cases.engine_for(1, world)
+    ckptio.deepspeed_engine.use(first, allow_pickle=True)
+    cases.train(first, cases.SAVE_AT)
+    first.save_checkpoint(root)
+    want = _flat_snapshot({**cases.snapshot(first), "losses": []})
+    first.destroy()
+    engine = cases.engine_for(1, world)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True, options=_options())
+    out: dict[str, Any] = {}
+    if rank == 0:
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.load_checkpoint(root)
+        out = {"seconds": time.monotonic() - started, "warnings": [str(w.message) for w in caught],
+               "equal": _equal(_flat_snapshot({**cases.snapshot(engine), "losses": []}), want)}
+    torch.distributed.barrier()
+    engine.destroy()
+    return out
+
+
+def test_a_deepspeed_load_on_one_rank_only_loads_alone_after_the_deadline(tmp_path: Path) -> None:
+    """The model file's shared load waits Options.rank_timeout_s for the other rank, then loads
+    alone, warning, instead of waiting step_timeout_s and failing."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (its extra has it)")
+    got = run_ranks(2, _deepspeed_load_on_rank_0, str(tmp_path), timeout_s=240)[0]
+    assert got["equal"], got
+    assert DEADLINE_S <= got["seconds"] < 4 * DEADLINE_S, got
+    assert any("loaded by this rank alone: rank(s) [1]" in w for w in got["warnings"]), got
