@@ -191,7 +191,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         if group is None or group is rank_alone_group():
             return group
         missing = arrive(group, "deepspeed-load", self.options.rank_timeout_s)
-        if not missing:
+        if missing is None:
             return group
         warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {list(missing)} of "
                       "the ranks that load it did not load it within Options.rank_timeout_s "

@@ -197,12 +197,12 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         if group is None:
             return rank_alone_group()
         missing = arrive(group, "lightning-load", self.options.rank_timeout_s)
-        if missing:
+        if missing is not None:
             raise RankFailedError(
                 f"ckptio.lightning: load_checkpoint({path!r}) loads on every rank together "
-                f"(shared_loads=True), and rank(s) {list(missing)} did not call it within "
-                f"{self.options.rank_timeout_s:g} s (Options.rank_timeout_s). To call it on "
-                "some ranks only, pass CheckpointIO(shared_loads=False)", missing)
+                f"(shared_loads=True), and rank(s) {list(missing) or 'of the job'} did not call "
+                f"it within {self.options.rank_timeout_s:g} s (Options.rank_timeout_s). To call "
+                "it on some ranks only, pass CheckpointIO(shared_loads=False)", missing)
         return group
 
     def _own_group(self) -> Any:

@@ -479,3 +479,23 @@ def test_a_deepspeed_load_on_one_rank_only_loads_alone_after_the_deadline(tmp_pa
     assert got["equal"], got
     assert DEADLINE_S <= got["seconds"] < 4 * DEADLINE_S, got
     assert any("loaded by this rank alone: rank(s) [1]" in w for w in got["warnings"]), got
+
+
+def _arrivals(rank: int, world: int) -> list[Any]:
+    """Checks of one name: rank 0 alone, both, rank 1 alone, both twice -> what each returned
+    on this rank (a rank not in a check: "-"), with a barrier between checks."""
+    from ckptio.distributed.arrival import arrive
+
+    out: list[Any] = []
+    for who in ({0}, {0, 1}, {1}, {0, 1}, {0, 1}):
+        got = arrive(torch.distributed.group.WORLD, "test", 1.0) if rank in who else "-"
+        out.append(list(got) if isinstance(got, tuple) else got)
+        torch.distributed.barrier()
+    return out
+
+
+def test_arrival_checks_missed_by_a_rank_do_not_throw_the_later_ones_out_of_step() -> None:
+    """A check one rank made alone fails naming the other; the next check of both passes at
+    once on both (the rounds stay in step)."""
+    got = run_ranks(2, _arrivals)
+    assert got == [[[1], None, "-", None, None], ["-", None, [0], None, None]], got
