@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ckptio import packed, stepmeta
-from ckptio.distributed.dist import Solo, current_group, piece_of
+from ckptio.distributed.dist import current_group, piece_of
 from ckptio.distributed.rankgroups import RankGroups
 from ckptio.errors import CkptError, SaveTimeoutError, StorageIOError, restated, seconds_to_wait
 from ckptio.format.types import Manifest, Read
@@ -357,7 +357,8 @@ class Checkpointer:
         Every tensor leaf (plain tensor, DTensor, TensorShard, FlatShard) gets the region of the
         saved tensor it holds, whatever layout and number of ranks saved it; only the byte ranges
         that overlap it are read. With torch.distributed initialised (or ``process_group``
-        given) an in-place load is a collective: a failure on any rank raises on every rank.
+        given) an in-place load is a collective: a failure on any rank raises on every rank; a
+        fresh one only over a ``process_group`` given (each byte read by one rank, sent on).
         strict: missing or unexpected keys raise (else they are only reported).
         keys: load only these keys (a key or a prefix of keys) or those a callable accepts.
         cast: allow a dtype conversion where the destination's dtype differs.
@@ -376,8 +377,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         path = checkpoint_path(path)
-        group = self._ranks.group(process_group, self.options) if state is not None else Solo()
-        ranks = LoadRanks.of(group, current_group(process_group), path, self.options, keys,
+        ranks = LoadRanks.of(self._ranks, process_group, path, self.options, keys,
                              in_place=state is not None)
         request = loading.LoadRequest(
             strict=strict, keys=keys, cast=cast,

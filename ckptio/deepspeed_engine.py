@@ -9,15 +9,18 @@ Call order (DeepSpeed 0.19's): ``save_checkpoint`` calls ``create(info)``, ``sav
 once per file this rank writes, then ``commit(info)`` and writes ``latest`` itself; a decoupled
 engine is committed at the next ``step()`` instead (before the optimizer changes anything) or by
 ``commit_now``; ``destroy()`` waits for its files but writes no ``latest`` (warned of).
-``load_checkpoint`` calls ``load(path)`` per file. docs/guides/deepspeed.md.
+``load_checkpoint`` calls ``load(path)`` per file: ZeRO 1/2's model file, which every
+data-parallel rank loads, by those ranks together (each byte read by one of them), any other
+file by this rank alone. docs/guides/deepspeed.md.
 
 Owns: the engine (each DeepSpeed file becomes a ckptio checkpoint, a directory at the file's
 path, written by this rank alone; tensors are never pickled), when a save is durable (sync: on
-return; decoupled: once committed), that a tag's files loaded are of one save (each file
-records the step it was saved at), and ``use`` which installs it on a DeepSpeed engine.
-Does not own: which files and tags DeepSpeed writes, its ``latest`` file, the checks made
-before a load (ckptio.deepspeed_guard), nor the format (the Checkpointer). DeepSpeed has no
-configuration key for a third-party engine.
+return; decoupled: once committed) and fails (on every rank, at the tag's commit), the run
+lease of save_dir, and ``use`` which installs it on a DeepSpeed engine. Does not own: which
+files and tags DeepSpeed writes, its ``latest`` file, the checks made before a load
+(ckptio.deepspeed_guard), that a tag's files are of one save (ckptio.deepspeed_tags), which
+ranks load a file together (ckptio.deepspeed_reads), nor the format (the Checkpointer).
+DeepSpeed has no configuration key for a third-party engine.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
+from ckptio.deepspeed_reads import arrived, load_group, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -96,6 +99,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self.checkpointer = Checkpointer(self.options)
         self._leases = DirectoryLeases("this DeepSpeed job", "pass ckptio.deepspeed_engine."
                                        "use(engine, take_over=True)", take_over)
+        self.load_group: Callable[[str], Any] = lambda path: rank_alone_group()
+        """The process group a load of a file within a ``load_checkpoint`` runs over (``use``
+        sets it: ``_load_group``); this rank alone by default."""
         self.training: Callable[[], str | None] = lambda: None
         """Where training stands (``use`` sets it from the DeepSpeed engine): stored with each
         file, so that a tag whose files come from two saves is refused at load."""
@@ -197,21 +203,25 @@ class CkptioCheckpointEngine(CheckpointEngine):
         format) loads too, so a job can switch engines between two tags. Its manifest is read
         once; within one load_checkpoint a file loaded again (DeepSpeed loads the model file
         to check it, then to load it) is not read again: its first load's values are handed
-        out again, in a new top-level dict."""
+        out again, in a new top-level dict. Within a load_checkpoint, the ZeRO 1/2 model file
+        that every data-parallel rank loads is loaded by them together (``_load_group``): each
+        of its bytes read from storage by one of them and sent to the others; any other file,
+        and any load outside a load_checkpoint, by this rank alone."""
         self._settle()
         where = os.path.abspath(os.fspath(path))
         if self._loaded is not None and where in self._loaded:
             loaded = self._loaded.pop(where)
         else:
             record = self.manifest(where)
+            group = (rank_alone_group() if self._loaded is None else
+                     arrived(self.load_group(where), where, self.options.rank_timeout_s))
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
-                                            process_group=rank_alone_group(), record=record)
+                                            process_group=group, record=record)
             self._tags.check(where, record)
             if self._loaded is not None:
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
-        device = _device(map_location)
-        return loaded if device is None else _to_device(loaded, device)
+        return placed(loaded, map_location)
 
     def manifest(self, path: str) -> Manifest | None:
         """The ckptio manifest of DeepSpeed file ``path`` (None: a torch.save file, as
@@ -347,6 +357,7 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify,
                                   take_over=take_over)
     ours.training = _training(engine)
+    ours.load_group = load_group(engine)
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)
@@ -364,22 +375,3 @@ def commit_now(engine: Any) -> None:
                         "ckptio; call ckptio.deepspeed_engine.use(engine) first")
     if ours.is_decoupled():
         engine._commit_decoupled_checkpoint()
-
-
-def _device(map_location: Any) -> torch.device | None:
-    """The device ``map_location`` names; None (CPU tensors) for the CPU and for anything else
-    (None; DeepSpeed's ``lambda storage, loc: storage``, which keeps tensors on the CPU)."""
-    if not isinstance(map_location, (str, int, torch.device)):
-        return None
-    device = torch.device(map_location)
-    return None if device.type == "cpu" else device
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return type(value)((k, _to_device(v, device)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value

@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.deepspeed_tags import missing_rank_file, saves
+from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, over_torch, rank_alone_group
 from ckptio.errors import (
     CheckpointNotFoundError,
@@ -34,6 +35,7 @@ from ckptio.errors import (
     UnsupportedPathError,
     UnsupportedStateError,
 )
+from ckptio.options import Options
 from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.missing_manifest import spelled_alike
 from ckptio.storage.select import checkpoint_path, scheme_of
@@ -157,10 +159,14 @@ def _tags(load_dir: str) -> list[str]:
 def _whole_tag(engine: Any, folder: str) -> None:
     """``_check_one_save`` and ``_check_every_rank``, made by rank 0 alone and its refusal
     raised on every rank: they read the manifest of every file of the tag, which on every rank
-    made each read all ranks' files."""
+    made each read all ranks' files. Where not every rank came to this load_checkpoint within
+    Options.rank_timeout_s (a ZeRO 1/2 load on some ranks only), each rank here checks alone."""
     ours = getattr(engine, "checkpoint_engine", None)
+    options = getattr(ours, "options", None) or Options.from_env()
     group = current_group()
-    ranks = None if group is None else over_torch(group, getattr(ours, "options", None))
+    together = (group is not None
+                and arrive(group, "deepspeed-tag-check", options.rank_timeout_s) is None)
+    ranks = over_torch(group, options) if together else None
     error: IncompleteCheckpointError | None = None
     if ranks is None or ranks.rank == 0:
         try:

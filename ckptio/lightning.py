@@ -28,11 +28,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import re
-import secrets
-import shutil
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -43,25 +39,29 @@ from ckptio import (
     CkptError,
     IncompleteCheckpointError,
     Options,
+    RankFailedError,
     SaveHandle,
     SaveResult,
     StorageIOError,
     UnsupportedStateError,
 )
+from ckptio.devices import moved
 from ckptio.dir_leases import DirectoryLeases
-from ckptio.distributed.dist import rank_alone_group
-from ckptio.lightning_paths import check_path, refuse_in_fsspec
+from ckptio.distributed.arrival import arrive
+from ckptio.distributed.dist import current_group, rank_alone_group
+from ckptio.lightning_paths import (
+    check_path,
+    committed_instead_of_last,
+    refuse_in_fsspec,
+    remove_directory,
+    remove_remote,
+)
 from ckptio.lightning_rng import RNGStateCallback
-from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.local.local_root import is_committed
-from ckptio.storage.local.durable import fsync_path
-from ckptio.storage.select import checkpoint_path, compared, scheme_of, store_for
-from ckptio.storage.store_contract import TreeStore
+from ckptio.storage.select import checkpoint_path, compared, scheme_of
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO", "RNGStateCallback", "load_from_checkpoint"]
 
 _BASES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
-_HIDDEN = re.compile(r"\.deleting-.+-[0-9a-f]{8}$")
 
 
 def _lightning_bases() -> list[type]:
@@ -91,14 +91,22 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         checksums on load (default Options.verify, on). take_over: save into a directory whose
         run lease another job holds (its processes linger after it ended), with a warning; by
         default a second job saving into one directory is refused at its first save, naming
-        the first (ckptio/lightning_paths.py).
+        the first (ckptio/lightning_paths.py). shared_loads (default True): with
+        torch.distributed initialised on more than one rank, ``load_checkpoint`` is a
+        collective of every rank (Lightning's resume, validate/test with ckpt_path and
+        Fabric.load call it on each): each byte read from storage by one rank, sent to the
+        others. A program that calls it on some ranks only (its own call on rank 0) passes
+        shared_loads=False, each rank then loading alone; such a call with it on ends in a
+        RankFailedError saying so within Options.rank_timeout_s.
     ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None, take_over: bool = False) -> None:
+                 verify: bool | None = None, take_over: bool = False,
+                 shared_loads: bool = True) -> None:
         super().__init__()
         self.options = options if options is not None else Options.from_env()
+        self.shared_loads = shared_loads
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
@@ -120,23 +128,26 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's checkpoint dict from ``path``: fresh CPU tensors (moved to
         ``map_location`` when that is a device) and Python values. Errors are CkptErrors
-        naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...)."""
+        naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...). With many
+        ranks, a collective of them all unless shared_loads=False (class docstring)."""
         allow = self.allow_pickle and weights_only is not True
+        group = self._load_group(os.fspath(path))
         try:
             loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
-                                            allow_pickle=allow)
+                                            allow_pickle=allow, process_group=group)
         except IncompleteCheckpointError:
-            other = _committed_instead_of_last(_location(path))
+            other = committed_instead_of_last(_location(path))
             if other is None:
                 raise
-            loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow)
+            loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow,
+                                            process_group=group)
         if not isinstance(loaded, dict):
             raise CkptError(f"{os.fspath(path)} holds a {type(loaded).__name__}, not a Lightning "
                             "checkpoint (a dict): load it with ckptio.load")
         device = _device(map_location)
         if device is None:
             return loaded
-        return _to_device(loaded, device)
+        return moved(loaded, device)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path`` crash-safely (docs/BEHAVIOUR.md, "ckptio.lightning");
@@ -144,13 +155,13 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         from then on), then its other objects."""
         target = _location(path)
         if scheme_of(target) is not None:
-            _remove_remote(target, self.options)
+            remove_remote(target, self.options)
             return
         try:
             if os.path.islink(target) or os.path.isfile(target):
                 os.remove(target)
             elif os.path.isdir(target):
-                _remove_directory(target)
+                remove_directory(target)
         except OSError as exc:
             raise StorageIOError(f"cannot remove checkpoint {target}: {exc.strerror or exc}; "
                                  "check the directory's permissions") from None
@@ -180,6 +191,21 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                                      f"{exc.strerror or exc}") from None
         return target
 
+    def _load_group(self, path: str) -> Any:
+        """The ranks a load of ``path`` runs over: with shared_loads and many ranks, all of
+        them, once all have come (within Options.rank_timeout_s); else this rank alone."""
+        group = current_group() if self.shared_loads else None
+        if group is None:
+            return rank_alone_group()
+        missing = arrive(group, "lightning-load", self.options.rank_timeout_s)
+        if missing is not None:
+            raise RankFailedError(
+                f"ckptio.lightning: load_checkpoint({path!r}) loads on every rank together "
+                f"(shared_loads=True), and rank(s) {list(missing) or 'of the job'} did not call "
+                f"it within {self.options.rank_timeout_s:g} s (Options.rank_timeout_s). To call "
+                "it on some ranks only, pass CheckpointIO(shared_loads=False)", missing)
+        return group
+
     def _own_group(self) -> Any:
         """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
         while a ckptio save over the default group is a collective of every rank: the save runs
@@ -201,8 +227,10 @@ class AsyncCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None, take_over: bool = False) -> None:
-        super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over)
+                 verify: bool | None = None, take_over: bool = False,
+                 shared_loads: bool = True) -> None:
+        super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over,
+                         shared_loads=shared_loads)
         self._handle: SaveHandle | None = None
         self._removals: list[str | os.PathLike[str]] = []  # once the save in flight commits
 
@@ -273,12 +301,12 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | os.PathLike[str]
         model = ckptio.lightning.load_from_checkpoint(MyModel, "ckpts/epoch=3-step=32.ckpt")
 
     Lightning reads files through ``core.saving.pl_load``; it is replaced for the call (one
-    call at a time in a process)."""
+    call at a time in a process). Each rank that calls it loads alone."""
     package = ("lightning.pytorch" if _is_subclass(cls, "lightning.pytorch", "LightningModule",
                                                     "LightningDataModule")
                else "pytorch_lightning")
     saving: Any = importlib.import_module(f"{package}.core.saving")
-    io = CheckpointIO(options, allow_pickle=allow_pickle)
+    io = CheckpointIO(options, allow_pickle=allow_pickle, shared_loads=False)  # any rank
 
     def read(path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         device = map_location if isinstance(map_location, (str, torch.device)) else None
@@ -299,29 +327,6 @@ def _is_subclass(cls: type, package: str, *names: str) -> bool:
         return False
     module = importlib.import_module(package)
     return any(isinstance(cls, type) and issubclass(cls, getattr(module, n)) for n in names)
-
-
-def _committed_instead_of_last(path: str) -> str | None:
-    """For ``ckpt_path="last"`` whose last checkpoint was never committed (the job was killed
-    during its first save there): the newest committed checkpoint beside it (by commit time),
-    with a warning; None for any other path (the one asked for is the one loaded) or when
-    there is none."""
-    name, directory = os.path.basename(path.rstrip("/")), os.path.dirname(path.rstrip("/"))
-    if not name.startswith("last") or not os.path.isdir(directory):
-        return None
-    found = []
-    for entry in os.scandir(directory):
-        manifest = os.path.join(entry.path, MANIFEST_NAME)
-        if (entry.name != name and entry.name.endswith(".ckpt") and not _HIDDEN.search(entry.name)
-                and entry.is_dir() and is_committed(entry.path)):
-            found.append((os.stat(manifest).st_mtime_ns, entry.path))
-    if not found:
-        return None
-    newest = max(found)[1]
-    warnings.warn(f"ckptio.lightning: {path} was never committed (the job stopped during that "
-                  f"save); resuming from {newest}, the newest committed checkpoint beside it",
-                  stacklevel=3)
-    return newest
 
 
 @contextlib.contextmanager
@@ -348,30 +353,6 @@ def _same(one: str | os.PathLike[str], other: str | os.PathLike[str]) -> bool:
     return compared(_location(one)) == compared(_location(other))
 
 
-def _remove_remote(url: str, options: Options) -> None:
-    """Remove the checkpoint at the object-store ``url``: its manifest first, then the rest."""
-    store = store_for(url, options)
-    problems = store.remove([MANIFEST_NAME])
-    if not problems:
-        problems = (store.remove_tree() if isinstance(store, TreeStore)
-                    else store.remove(store.names()))
-    if problems:
-        raise StorageIOError(f"cannot remove checkpoint {url}: {problems[0]}; check the "
-                             "credentials' delete permission, then remove it by hand")
-
-
-def _remove_directory(path: str) -> None:
-    """Rename ``path`` out of Lightning's sight (fsynced), then remove it and any leftover of
-    an earlier removal cut short in the same directory."""
-    parent, name = os.path.split(os.path.abspath(path))
-    hidden = os.path.join(parent, f".deleting-{name}-{secrets.token_hex(4)}")
-    os.rename(path, hidden)
-    fsync_path(parent)
-    for entry in os.scandir(parent):
-        if _HIDDEN.match(entry.name) and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-
-
 def _device(map_location: Any) -> torch.device | None:
     """The device a map_location names; None (stay on CPU) for None or a callable (Lightning's
     default is the identity); anything else: CkptError."""
@@ -381,15 +362,3 @@ def _device(map_location: Any) -> torch.device | None:
         return torch.device(map_location)
     raise CkptError(f"ckptio.lightning: map_location={map_location!r} is not supported; pass a "
                     "device (or None: CPU tensors, which Lightning moves to the module's device)")
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    return value

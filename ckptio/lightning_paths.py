@@ -12,11 +12,16 @@
   none). ``check_path`` refuses a path holding a directory named as a scheme (``file:``),
   naming the path meant.
 
-Call order: ``refuse_in_fsspec()`` once, at ``import ckptio.lightning``; a plugin's saves call
-``check_path(path)``.
+- Where the plugin removes a checkpoint (``remove_directory``: renamed out of Lightning's
+  sight first; ``remove_remote``: an object store's manifest first) and which one a resume from
+  a never-committed ``last.ckpt`` takes (``committed_instead_of_last``).
 
-Owns: those fsspec registrations and their wording. Does not own: the plugins (lightning.py),
-the run leases of the directories they save into (dir_leases.py).
+Call order: ``refuse_in_fsspec()`` once, at ``import ckptio.lightning``; a plugin's saves call
+``check_path(path)``, its removals and loads the others.
+
+Owns: those fsspec registrations and their wording, the removals' order, the fallback from
+``last.ckpt``. Does not own: the plugins (lightning.py), the run leases of the directories they
+save into (dir_leases.py).
 """
 
 from __future__ import annotations
@@ -24,12 +29,23 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import secrets
+import shutil
+import warnings
 from typing import Any
 
-from ckptio.errors import CkptError
-from ckptio.storage.select import checkpoint_path, registered_schemes, scheme_of
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.options import Options
+from ckptio.storage.local.durable import fsync_path
+from ckptio.storage.local.local_root import is_committed
+from ckptio.storage.select import checkpoint_path, registered_schemes, scheme_of, store_for
+from ckptio.storage.store_contract import TreeStore
 
-__all__ = ["check_path", "refuse_in_fsspec"]
+__all__ = ["check_path", "committed_instead_of_last", "refuse_in_fsspec", "remove_directory",
+           "remove_remote"]
+
+_HIDDEN = re.compile(r"\.deleting-.+-[0-9a-f]{8}$")  # a removal's rename, hidden from Lightning
 
 
 _SCHEME_DIR = re.compile(r"/([A-Za-z][A-Za-z0-9+.-]*):/(.*)\Z", re.DOTALL)
@@ -102,3 +118,50 @@ def refuse_in_fsspec() -> list[str]:
         fsspec_registry.register_implementation(scheme, _refusing_class(scheme, base))
         done.append(scheme)
     return done
+
+
+def committed_instead_of_last(path: str) -> str | None:
+    """For ``ckpt_path="last"`` whose last checkpoint was never committed (the job was killed
+    during its first save there): the newest committed checkpoint beside it (by commit time),
+    with a warning; None for any other path (the one asked for is the one loaded) or when
+    there is none."""
+    name, directory = os.path.basename(path.rstrip("/")), os.path.dirname(path.rstrip("/"))
+    if not name.startswith("last") or not os.path.isdir(directory):
+        return None
+    found = []
+    for entry in os.scandir(directory):
+        manifest = os.path.join(entry.path, MANIFEST_NAME)
+        if (entry.name != name and entry.name.endswith(".ckpt") and not _HIDDEN.search(entry.name)
+                and entry.is_dir() and is_committed(entry.path)):
+            found.append((os.stat(manifest).st_mtime_ns, entry.path))
+    if not found:
+        return None
+    newest = max(found)[1]
+    warnings.warn(f"ckptio.lightning: {path} was never committed (the job stopped during that "
+                  f"save); resuming from {newest}, the newest committed checkpoint beside it",
+                  stacklevel=3)
+    return newest
+
+
+def remove_remote(url: str, options: Options) -> None:
+    """Remove the checkpoint at the object-store ``url``: its manifest first, then the rest."""
+    store = store_for(url, options)
+    problems = store.remove([MANIFEST_NAME])
+    if not problems:
+        problems = (store.remove_tree() if isinstance(store, TreeStore)
+                    else store.remove(store.names()))
+    if problems:
+        raise StorageIOError(f"cannot remove checkpoint {url}: {problems[0]}; check the "
+                             "credentials' delete permission, then remove it by hand")
+
+
+def remove_directory(path: str) -> None:
+    """Rename ``path`` out of Lightning's sight (fsynced), then remove it and any leftover of
+    an earlier removal cut short in the same directory."""
+    parent, name = os.path.split(os.path.abspath(path))
+    hidden = os.path.join(parent, f".deleting-{name}-{secrets.token_hex(4)}")
+    os.rename(path, hidden)
+    fsync_path(parent)
+    for entry in os.scandir(parent):
+        if _HIDDEN.match(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)

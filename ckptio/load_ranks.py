@@ -1,13 +1,15 @@
 """The steps the ranks of one load share: LoadRanks, made for each Checkpointer.load call.
 
-Call order: Checkpointer.load (api.py) makes one (LoadRanks.of) before anything is read. With
-many ranks and a state filled in place: the manifest read once and shared
-(distributed/loadsteps.py SharedManifest), the unexpected keys agreed riding on the read step
-(UnexpectedKeys) and the reads shared among the ranks (distributed/readshare.py); otherwise the
-key step alone (this rank's keys agreed at once). The load takes them through its LoadRequest
-(loading/load_session.py); then every rank ends them, with done() or, on an error, failed(exc),
-which releases each step's waiters and agrees the outcome (loadsteps.agree_loaded): a failure
-on any rank raises on every rank.
+Call order: Checkpointer.load (api.py) makes one (LoadRanks.of) before anything is read. The
+ranks of a load: an in-place one's, those of its process group (given, else the default one);
+a fresh one's (no state), those of a ``process_group=`` given explicitly, else this process
+alone (rank 0 inspecting a checkpoint by itself never waits for the others). With many ranks:
+the manifest read once and shared (distributed/loadsteps.py SharedManifest), the reads shared
+among the ranks (distributed/readshare.py) and, in place, the unexpected keys agreed riding on
+the read step (UnexpectedKeys); otherwise the key step alone (this rank's keys agreed at
+once). The load takes them through its LoadRequest (loading/load_session.py); then every rank
+ends them, with done() or, on an error, failed(exc), which releases each step's waiters and
+agrees the outcome (loadsteps.agree_loaded): a failure on any rank raises on every rank.
 
 Owns: which steps a load shares and how they end. Does not own: the steps themselves
 (distributed/loadsteps.py, distributed/readshare.py), the load (loading/load_session.py), the
@@ -22,7 +24,8 @@ from typing import Any
 import torch
 
 from ckptio.distributed import loadsteps, readshare
-from ckptio.distributed.dist import Group
+from ckptio.distributed.dist import Group, Solo, current_group
+from ckptio.distributed.rankgroups import RankGroups
 from ckptio.loading.stored import KeyFilter
 from ckptio.options import Options
 
@@ -44,19 +47,23 @@ class LoadRanks:
     reads: readshare.SharedReads | None
 
     @classmethod
-    def of(cls, group: Group, torch_group: Any, path: str, options: Options, keys: KeyFilter,
-           *, in_place: bool) -> LoadRanks:
-        """The steps of a load of ``path`` by ``group`` (``torch_group``: its torch process
-        group, or None), filling a state in place or not."""
+    def of(cls, groups: RankGroups, process_group: Any, path: str, options: Options,
+           keys: KeyFilter, *, in_place: bool) -> LoadRanks:
+        """The steps of a load of ``path`` over ``process_group`` (as the caller gave it: None
+        or a torch process group; ``groups``: the Checkpointer's), filling a state in place or
+        not (module docstring: whose ranks a fresh load's are)."""
+        torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
-        many = in_place and torch_group is not None and group.size > 1
+        shared = in_place or (process_group is not None and world_size > 1)
+        group = groups.group(process_group, options) if shared else Solo()
+        many = torch_group is not None and group.size > 1
         manifest = (loadsteps.SharedManifest(group, path, options.broadcast_replicated, keys)
                     if many else None)
         key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
         reads = None if not many else (
             readshare.SharedReads(group, torch_group, options.broadcast_replicated,
-                                  options.rank_timeout_s, path, key_step))
+                                  options.rank_timeout_s, path, key_step if in_place else None))
         return cls(group, path, in_place, rank, world_size, manifest, key_step, reads)
 
     def failed(self, exc: BaseException) -> None:

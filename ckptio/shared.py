@@ -121,7 +121,9 @@ def load(path: str | os.PathLike[str], state: Any = None, *, strict: bool = True
         ckptio.load("ckpts/step-100", state)
 
     If you hold ``opt.state_dict()`` (a plain dict) instead of ``opt``, load it fresh and hand
-    it over: ``opt.load_state_dict(ckptio.load(path)["optim"])``.
+    it over: ``opt.load_state_dict(ckptio.load(path)["optim"])``. A fresh load runs on this
+    rank alone, unless given ``process_group=``: then every rank of that group calls it with
+    the same path, and each stored byte is read by one of them and sent to the others.
 
     strict (default True): missing or unexpected keys, dtype or shape differences raise
     StateMismatchError naming the keys (with many ranks a key is unexpected only if no rank asks

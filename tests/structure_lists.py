@@ -144,6 +144,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.test_restore_from_memory": (_WHITE + "the reads a restore makes", frozenset({
         "posix._pread_each", "stage._populate"})),
     "tests.test_rt_cli": (_HELPER, frozenset({"test_cli_interop._one_line_error"})),
+    "tests.test_rt_fresh_shared": (_WHITE + "a shared read's send buffer (a sender that dies)",
+                                   frozenset({"sendreads._send_buffer"})),
     "tests.test_rt_mem": (_WHITE + "the memory tier's slots, made behind a restore: waited "
                           "for before they are counted", frozenset({"mgr._levels"})),
     "tests.test_rt_readonce": (_WHITE + "a shared read's send buffer (a send damaged)",

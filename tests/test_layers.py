@@ -73,7 +73,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # The drivers (the top layer) in their sub-layers, bottom to top.
 DRIVERS: tuple[tuple[str, ...], ...] = (
-    ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim",
+    ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim", "ckptio.devices",
      "ckptio.packed", "ckptio.policies", "ckptio.destination"),  # base helpers
     ("ckptio.api", "ckptio.load_ranks"),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
@@ -85,7 +85,7 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
      "ckptio.lightning_paths", "ckptio.dir_leases"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
-     "ckptio.deepspeed_tags", "ckptio.demo",
+     "ckptio.deepspeed_tags", "ckptio.deepspeed_reads", "ckptio.demo",
      "ckptio.megatron_common", "ckptio.megatron_strategy"),  # users of ``import ckptio``
     ("ckptio.cli", "ckptio.__main__"),  # the command line
 )

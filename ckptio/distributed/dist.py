@@ -30,7 +30,7 @@ from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
 __all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
-           "rank_alone_group", "silent_ranks"]
+           "rank_alone_group", "silent_ranks", "store_of"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
@@ -152,11 +152,11 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
         f"{len(members)}-{zlib.crc32(repr(members).encode()):08x}")
     alive_store = c10d._get_default_store()
     liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s)
-    return StoreGroup(_store_of(group), alive_store, members, dist.get_rank(group),
+    return StoreGroup(store_of(group), alive_store, members, dist.get_rank(group),
                       f"ckptio/{ranks}/{instance}", deadlines)
 
 
-def _store_of(group: Any) -> Any:
+def store_of(group: Any) -> Any:
     """The store of a torch process group (its own prefix of the job's store)."""
     from torch.distributed import distributed_c10d as c10d
 

@@ -122,7 +122,8 @@ class SharedReads:
         except BaseException as exc:
             self.fail(exc)
             raise
-        self._read_done(None)
+        self._read_done(None, again=[r for i in range(len(units)) if share.owner[i] != -1
+                                     for r in by_unit[i]], read=read)
         failed_units = wire.exchange(units + blocks, whole, place)
         wire.close(bool(failed or failed_units))
         again = [r for i in range(len(units)) if share.owner[i] in failed_units
@@ -198,12 +199,21 @@ class SharedReads:
         elif self.pending in ("blocks", "read"):
             self._read_done(error)
 
-    def _read_done(self, error: BaseException | None, loaded: bool = True) -> None:
-        """The step after a read; ``loaded``: that read filled the state's tensors."""
+    def _read_done(self, error: BaseException | None, loaded: bool = True,
+                   again: list[Read] | None = None, read: ReadWith | None = None) -> None:
+        """The step after a read; ``loaded``: that read filled the state's tensors. Where
+        another rank's read failed (damage), this rank reads ``again`` (what it was to receive)
+        with ``read`` first: its own error (that damage) is what it raises, else the other's."""
         self.pending = None
-        coordinate(self.group, None if error is not None else b"", error,
-                   lambda messages: [b""] * len(messages),
-                   self._failed_loaded if loaded else self._failed)
+        try:
+            coordinate(self.group, None if error is not None else b"", error,
+                       lambda messages: [b""] * len(messages),
+                       self._failed_loaded if loaded else self._failed)
+        except RankFailedError as exc:
+            if exc.ranks or not again or read is None:  # a rank gone: nothing comes
+                raise
+            read(again)
+            raise
 
     def _failed(self, failures: list[str]) -> str:
         return f"load of {self.path} failed on {listed(failures)}"
@@ -256,10 +266,12 @@ def _wire(key: tuple[tuple[int, ...], float], generation: int) -> Any:
     (the same generation), else a new one (every member makes it at this point)."""
     known = _wires.get(key)
     group = known[1]() if known is not None and known[0] == generation else None
-    if group is None:
+    if group is None:  # the world's by every rank: a group made with local synchronization is
+        # named by the groups its process holds, which differ where a rank made one alone
+        whole = len(key[0]) == torch.distributed.get_world_size()
         group = torch.distributed.new_group(list(key[0]), backend="gloo",
                                             timeout=timedelta(seconds=key[1]),
-                                            use_local_synchronization=True)
+                                            use_local_synchronization=not whole)
         _wires[key] = (generation, weakref.ref(group))
     return group
 

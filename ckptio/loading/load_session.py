@@ -238,7 +238,8 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         if state is None:  # whole tensors: every chunk of the regular keys asked for
             record = resolve_regular.expand(record, {r.key: None for r in record.regular
                                                      if select(r.key)}, plain)
-            return fill_fresh(record, read, keys=request.keys,
+            return fill_fresh(record, _shared(read, resources, store, record, request, activity),
+                              keys=request.keys,
                               allow_pickle=request.allow_pickle, rank=request.rank,
                               world_size=request.world_size, per_rank_from=request.per_rank_from)
         flat = flatten(state)
@@ -268,7 +269,8 @@ def _opened(resources: IOResources, store: Store, file: str | None, request: Loa
 
 def _shared(read: ReadWith, resources: IOResources, store: Store, record: Manifest,
             request: LoadRequest, activity: stall.Activity) -> ReadFn:
-    """``read``, or with peers the read step that shares replicated entries between ranks (a
+    """``read``, or with peers the read step that shares the entries several ranks want whole
+    between them (in place: replicated tensors; fresh: every entry the load reads) (a
     DCP directory's items opened first: what is shared is named by where its data lies and
     checked against its CRC-32)."""
     step = request.shared_reads

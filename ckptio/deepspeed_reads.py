@@ -1,0 +1,88 @@
+"""How ckptio's DeepSpeed engine (ckptio.deepspeed_engine) reads a file within one
+``load_checkpoint``: which ranks load it together (``load_group``: a ZeRO 0-2 model file is
+read once for all the ranks that share it, a fresh load over their group), whether they all
+came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), and where its
+tensors go (``placed``: DeepSpeed's ``map_location``).
+
+Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
+takes ``arrived(load_group(path), path, timeout)`` as its process group, then ``placed``.
+
+Owns: those three decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
+order of loads (read from DeepSpeed 0.19.8's SDLoader, below).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptio.distributed.arrival import arrive
+from ckptio.devices import moved
+from ckptio.distributed.dist import current_group, rank_alone_group
+
+__all__ = ["arrived", "load_group", "placed"]
+
+def arrived(group: Any, path: str, timeout_s: float) -> Any:
+    """``group`` once all its ranks have come to this load of ``path`` (within ``timeout_s``:
+    DeepSpeed's load_checkpoint may be called on some ranks only, a ZeRO 1/2 one has no
+    collective of its own), else this rank alone, warned of."""
+    if group is None or group is rank_alone_group():
+        return group
+    missing = arrive(group, "deepspeed-load", timeout_s)
+    if missing is None:
+        return group
+    warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {list(missing)} of "
+                  "the ranks that load it did not load it within Options.rank_timeout_s "
+                  "(load_checkpoint called on some ranks only?)", UserWarning, stacklevel=4)
+    return rank_alone_group()
+
+
+_MODEL_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")  # ZeRO 0-2's; ZeRO-3's are per rank
+
+
+def load_group(engine: Any) -> Callable[[str], Any]:
+    """The process group a load of a DeepSpeed file runs over, for ``engine``. The model file of
+    ZeRO 0-2 (``mp_rank_XX_model_states.pt``): the world without model parallelism, else the
+    engine's data-parallel group (the ranks of one model-parallel rank). DeepSpeed 0.19.8's
+    _load_checkpoint loads the model files on every rank, in an order set by the model-parallel
+    rank alone (its SDLoader loads the first file to check the list, then the file of that rank,
+    or those it merges or splits), so the ranks of one data-parallel group, which share it, load
+    the same files in the same order. Any other file (ZeRO-3's per-rank model files, optimizer
+    files, expert files), a pipeline engine's (its layer files), a universal checkpoint's: this
+    rank alone."""
+    ref = weakref.ref(engine)
+
+    def group(path: str) -> Any:
+        alive = ref()
+        if (alive is None or not _MODEL_FILE.fullmatch(os.path.basename(path))
+                or alive.zero_optimization_partition_weights()
+                or getattr(alive, "pipeline_parallelism", True)
+                or alive.load_universal_checkpoint()):
+            return rank_alone_group()
+        if getattr(alive, "mp_world_size", 1) == 1:  # every rank loads the same files
+            return current_group()
+        return alive.data_parallel_group  # the ranks of this model-parallel rank
+
+    return group
+
+
+def placed(loaded: Any, map_location: Any) -> Any:
+    """``loaded`` with its tensors moved to the device ``map_location`` names (kept on the CPU
+    for the CPU and for anything else)."""
+    device = _device(map_location)
+    return loaded if device is None else moved(loaded, device)
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """The device ``map_location`` names; None (CPU tensors) for the CPU and for anything else
+    (None; DeepSpeed's ``lambda storage, loc: storage``, which keeps tensors on the CPU)."""
+    if not isinstance(map_location, (str, int, torch.device)):
+        return None
+    device = torch.device(map_location)
+    return None if device.type == "cpu" else device
