@@ -7,7 +7,8 @@ a step across ranks first and calls ``restore_first`` for that one step.
 
 - Candidates: every step committed in some tier, newest first; each tried in the tiers holding
   it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
-  and newer than the one restored is named in the warning; one holding a torch_checkpointing
+  and newer than the one restored is named in the warning, with what its save lock says of
+  that save (running, ended, or on another host) where its store can tell; one holding a torch_checkpointing
   checkpoint is named as that, with its load or convert.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   so does a storage error where a slower tier holds the same step (that copy is unreadable, the
@@ -38,6 +39,7 @@ from ckptio.managing.level import TierSteps
 from ckptio.storage import missing_manifest
 from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
+from ckptio.storage.store_contract import TellsInFlight
 
 __all__ = ["Restored", "candidates", "emptiness", "first_only", "incomplete", "neighbours",
            "nothing_to_restore", "restore_first", "started_fresh", "where"]
@@ -94,7 +96,8 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     foreign = _foreign_paths(levels, listings) if newer else {}
     passed: list[str] = []
     for candidate, holders in found:
-        passed += [_passed_over(s, foreign.get(s)) for s in reversed(newer) if s > candidate]
+        passed += [_passed_over(s, foreign.get(s), _lock_says(levels, listings, s))
+                   for s in reversed(newer) if s > candidate]
         newer = [s for s in newer if s < candidate]
         for k in holders:
             level, started = levels[k], time.perf_counter()
@@ -152,11 +155,35 @@ def _foreign_paths(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> 
     return found
 
 
-def _passed_over(step: int, tc_path: str | None) -> str:
+def _lock_says(levels: Sequence[TierSteps], listings: Sequence[Listing], step: int) -> str:
+    """What the save lock of the incomplete ``step`` says of its save, in the fastest tier
+    holding it incomplete, where its store can tell (store_contract.TellsInFlight); "" else."""
+    for level, listing in zip(levels, listings):
+        if step not in listing.get("incomplete", []):
+            continue
+        store = level.store(step)
+        try:
+            saving, ended, elsewhere = (store.in_flight() if isinstance(store, TellsInFlight)
+                                        else (None, None, None))
+        except CkptError:
+            return ""
+        if saving is not None:
+            return f"a save into it ({saving}) is still running"
+        if ended is not None:
+            return f"a save interrupted before its commit ({ended})"
+        if elsewhere is not None:
+            return (f"files of {elsewhere}; whether that save still runs cannot be told from "
+                    "this host")
+        return ""
+    return ""
+
+
+def _passed_over(step: int, tc_path: str | None, lock: str = "") -> str:
     """Why the newer incomplete ``step`` was not restored (``tc_path``: where it holds a
-    torch_checkpointing checkpoint)."""
+    torch_checkpointing checkpoint; ``lock``: what its save lock says, _lock_says)."""
     if tc_path is None:
-        return (f"step {step}: incomplete: no committed {MANIFEST_NAME} (an interrupted save or "
+        return (f"step {step}: incomplete: no committed {MANIFEST_NAME}: {lock}" if lock else
+                f"step {step}: incomplete: no committed {MANIFEST_NAME} (an interrupted save or "
                 "copy, or one running)")
     return (f"step {step}: {tc_path} holds a torch_checkpointing checkpoint, not a ckptio save "
             f"(no {MANIFEST_NAME}), which a manager does not restore; to resume from it, load "

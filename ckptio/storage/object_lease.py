@@ -9,8 +9,12 @@ its lease: a job that died elsewhere), "refuse" (rewritten since the first look:
 "wait" (look again after ``pause()``). ``refused()`` is the error naming the live job,
 ``taken()`` the warning naming the one taken over from.
 
+``lease_state`` words the same for a save's lock object, for a load that finds no manifest:
+a save still running there (its lease renewed) or one that ended (its lease lapsed).
+
 Call order: a scheme's take_run -> its create fails -> per look: ``verdict`` -> ``taken`` or
-``refused`` or ``pause``. Owns: the decision and its wording. Does not own: the requests, the
+``refused`` or ``pause``. Owns: the decision and its wording, a lock's lease state in words.
+Does not own: the requests, the
 lease object's renewal or release (each scheme's lock module), which roots are leased
 (steproot.LeasedRoot).
 """
@@ -23,9 +27,10 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
+from ckptio.storage.holder import ago
 from ckptio.storage.local.runlease import LEASE_NAME
 
-__all__ = ["LEASE_NAME", "RunWatch", "lease_of", "who"]
+__all__ = ["LEASE_NAME", "RunWatch", "lease_of", "lease_state", "who"]
 
 log = logging.getLogger("ckptio")
 
@@ -84,3 +89,29 @@ def lease_of(record: dict[str, Any] | None, ours: float) -> float:
     """The lease a lock's or run lease's holder renews within (recorded in it), else ours."""
     lease = record.get("lease_s") if record else None
     return float(lease) if isinstance(lease, (int, float)) and lease > 0 else ours
+
+
+def lease_state(record: Any, lease_s: float, renewed_s: float | None,
+                lapsed: bool | None = None) -> tuple[str | None, str | None]:
+    """A save's lock object found where a load sees no manifest, as (the save still running,
+    None) or (None, why it is known to have ended), for missing_manifest.no_manifest:
+    ``record`` is the holder's record (unreadable: (None, None)), ``lease_s`` its lease,
+    ``renewed_s`` the seconds since it was last renewed by the store's or this host's clock
+    (None: the store does not tell), ``lapsed`` the store's own word on the lease (None:
+    judged from ``renewed_s``). A holder provably dead (holder.dead) has ended at once; any
+    other is told by its lease, on this host or another."""
+    if not isinstance(record, dict):
+        return None, None
+    gone = holders.dead(record)
+    if gone is not None:
+        return None, f"its holder, {gone}"
+    holder = f"host {record.get('host')}, pid {record.get('pid')}"
+    if lapsed is None:
+        lapsed = renewed_s is not None and renewed_s > lease_s
+    if lapsed:
+        when = (f"{renewed_s:.0f} s ago, past its lease of {lease_s:.0f} s" if renewed_s is not
+                None else f"for over its lease of {lease_s:.0f} s: its lease lapsed")
+        return None, f"its holder, {holder}, stopped renewing its lock {when}"
+    renewal = (f"its lock renewed {renewed_s:.0f} s ago" if renewed_s is not None
+               else f"its lock's lease of {lease_s:.0f} s still held")
+    return f"on {holder}, started {ago(record)}, {renewal}", None

@@ -180,6 +180,12 @@ class ObjectTreeStore:
                             lambda rel: self.where.child(rel).key, self._endpoint(),
                             self.bucket.noun, saving, ended)
 
+    def in_flight(self) -> tuple[str | None, str | None, str | None]:
+        """The save its lock object names (store_contract.TellsInFlight): a scheme's lock
+        tells whether it runs from its lease, on any host, so never "elsewhere"."""
+        saving, ended = self._in_flight()
+        return saving, ended, None
+
     def _in_flight(self) -> tuple[str | None, str | None]:
         """The save its lock object names: (its holder, while it runs; None) or (None, why it
         is known to have ended); this default knows only a process alive on this host

@@ -40,6 +40,7 @@ __all__ = [
     "TMP_PREFIX",
     "Exclusive",
     "Store",
+    "TellsInFlight",
     "TreeStore",
     "check_if_locked",
     "claim_of",
@@ -198,6 +199,18 @@ class Store(Protocol):
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Delete files (a missing one is fine); -> "name: why" for each that failed."""
+        ...
+
+
+@runtime_checkable
+class TellsInFlight(Protocol):
+    """A store that can say what save its lock names (LocalStore, the object stores): for a
+    location found without a committed manifest."""
+
+    def in_flight(self) -> tuple[str | None, str | None, str | None]:
+        """(that save, still running, None, None), (None, why it is known to have ended, None),
+        (None, None, that save on another host, whose state cannot be told from here), or
+        (None, None, None): no lock, or none that can be read. Only reads: never waits."""
         ...
 
 

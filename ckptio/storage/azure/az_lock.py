@@ -11,7 +11,7 @@ lease (nothing is left at a prefix that held nothing).
 Kept for a manager's life it is a run's lease (``take_run``, storage/object_lease.py), its
 record rewritten at each renewal so that a watcher sees a live job; lost to another's lease.
 
-Owns: AzureLock, take(), take_run(). Does not own: the commit (az_store.py), the client (az_client.py).
+Owns: AzureLock, take(), take_run(), in_flight(). Does not own: the commit (az_store.py), the client (az_client.py).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from ckptio.storage.azure.az_client import (
 from ckptio.storage.azure.az_settings import AzureSettings
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
-from ckptio.storage.object_lease import LEASE_NAME, RunWatch
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of, lease_state
 
-__all__ = ["LEASE_NAME", "AzureLock", "take", "take_run"]
+__all__ = ["LEASE_NAME", "AzureLock", "in_flight", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 
@@ -162,6 +162,31 @@ def take_run(root: AzPath, settings: AzureSettings, take_over: bool) -> AzureLoc
             _break(blob, where, settings, etag)
         else:
             time.sleep(watch.pause(other))
+
+
+def in_flight(location: AzPath, settings: AzureSettings) -> tuple[str | None, str | None]:
+    """The save whose lock blob is under ``location`` (a load found no manifest there), by its
+    holder's record and the service's word on its lease: held (a save renewing it) or lapsed
+    (object_lease.lease_state); (None, None) where there is no lock, or it cannot be read."""
+    where = location.child(LOCK_NAME)
+    blob = container(settings, where.container).get_blob_client(where.name)
+
+    def request(t: Timeouts) -> tuple[bytes, str]:
+        answer = blob.download_blob(**t)
+        return answer.readall(), str(answer.properties.lease.state)
+
+    try:
+        got = checked(settings, f"reading the lock {where.url}", request, none_on=(404,))
+    except CkptError:
+        return None, None
+    if got is None:
+        return None, None
+    try:
+        record = json.loads(got[0])
+    except ValueError:
+        return None, None
+    lapsed = got[1] in ("available", "expired", "broken")
+    return lease_state(record, lease_of(record, settings.lock_lease_s), None, lapsed)
 
 
 def _acquired(blob: Any, where: AzPath, settings: AzureSettings, body: bytes,

@@ -172,5 +172,9 @@ class AzureStore(ObjectTreeStore):
         """Blocks of ``options.buffer_bytes`` (one per write), the settings' concurrency."""
         return AzureBackend(self.settings, options.buffer_bytes)
 
+    def _in_flight(self) -> tuple[str | None, str | None]:
+        """Told by its lock blob's lease (az_lock.in_flight)."""
+        return az_lock.in_flight(self.where, self.settings)
+
     def _lock(self, if_locked: str, save: str) -> Any:
         return az_lock.take(self.where, self.settings, if_locked, save=save)

@@ -44,9 +44,9 @@ from ckptio.storage.gcs.gcs_client import (
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
-from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of, who
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of, lease_state, who
 
-__all__ = ["LEASE_NAME", "LOCK_NAME", "GcsLock", "take", "take_run"]
+__all__ = ["LEASE_NAME", "LOCK_NAME", "GcsLock", "in_flight", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 _held: set[str] = set()  # lock URLs this process holds
@@ -257,6 +257,24 @@ def _take(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int 
     log.warning("ckptio: took over the lock %s: its holder (save %s) %s", where.url,
                 (other or {}).get("save"), gone or f"stopped renewing it over {lease:.0f} s ago")
     return made
+
+
+def in_flight(location: GcsPath, settings: GcsSettings) -> tuple[str | None, str | None]:
+    """The save whose lock object is under ``location`` (a load found no manifest there), by
+    its holder's record and when it was last rewritten (object_lease.lease_state); (None, None)
+    where there is no lock, or it cannot be read."""
+    where = location.child(LOCK_NAME)
+    bucket = _bucket(settings, where)
+    try:
+        found = missing(settings, f"looking up the lock {where.url}",
+                        lambda t: bucket.get_blob(where.key, timeout=t, retry=None))
+    except CkptError:
+        return None, None
+    if found is None:
+        return None, None
+    age = _age_s(found) if getattr(found, "updated", None) is not None else None
+    other = _read(found)
+    return lease_state(other, lease_of(other, settings.lock_lease_s), age)
 
 
 def _read(blob: Any) -> dict[str, Any] | None:

@@ -175,6 +175,10 @@ class GcsStore(ObjectTreeStore):
         if self.capabilities.conditional_commit:
             self._probe()
 
+    def _in_flight(self) -> tuple[str | None, str | None]:
+        """Told by its lock's lease (gcs_lock.in_flight)."""
+        return gcslock.in_flight(self.where, self.settings)
+
     def _lock(self, if_locked: str, save: str) -> Any:
         return gcslock.take(self.where, self.settings, if_locked, save=save)
 

@@ -224,12 +224,16 @@ class LocalStore:
             raise StorageIOError(f"cannot read {file}: {exc.strerror or exc}") from None
         raise self._no_manifest()
 
+    def in_flight(self) -> tuple[str | None, str | None, str | None]:
+        """The save its lock file names (store_contract.TellsInFlight; dirlock.in_flight)."""
+        return dirlock.in_flight(self.directory)
+
     def _no_manifest(self) -> CkptError:
         try:
             names = sorted(os.listdir(self.directory))
         except OSError as exc:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
-        saving, ended, elsewhere = dirlock.in_flight(self.directory)
+        saving, ended, elsewhere = self.in_flight()
         return missing_manifest.no_manifest(
             self.location, names,
             lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),

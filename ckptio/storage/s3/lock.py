@@ -38,7 +38,7 @@ from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
-from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of, lease_state
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import call, client, describe, failed, status
 from ckptio.storage.s3.s3path import S3Path
@@ -181,17 +181,9 @@ def in_flight(location: S3Path, settings: S3Settings) -> tuple[str | None, str |
     except CkptError:
         return None, None
     other, _etag = _holder(where, settings) if head is not None else (None, None)
-    if head is None or other is None:
+    if head is None:
         return None, None
-    gone, age = holders.dead(other), _age_s(head)
-    if gone is not None:
-        return None, f"its holder, {gone}"
-    who = f"host {other.get('host')}, pid {other.get('pid')}"
-    lease = lease_of(other, settings.lock_lease_s)
-    if age > lease:
-        return None, (f"its holder, {who}, stopped renewing its lock {age:.0f} s ago, past "
-                      f"its lease of {lease:.0f} s")
-    return f"on {who}, started {holders.ago(other)}, its lock renewed {age:.0f} s ago", None
+    return lease_state(other, lease_of(other, settings.lock_lease_s), _age_s(head))
 
 
 def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str
