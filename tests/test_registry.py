@@ -6,7 +6,6 @@ local folder. Every save and load here goes through ckptio.save / ckptio.load / 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import ckptio
+from user_steproot import DirRoot
 from ckptio.options import Options
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.memory.host_memory import HOST
@@ -145,62 +145,13 @@ def test_a_store_gets_the_options_in_force(tmp_path: Path) -> None:
 # -- a scheme of one's own under a CheckpointManager ----------------------------------------------
 
 
-class _Nothing(str):
-    """A user root's nothing_here() answer for a root that holds nothing yet (``empty``)."""
-
-    empty = True
-
-
-class _DirRoot:
-    """A user's StepRoot, written against the protocol only (no ckptio internals): ``step-N``
-    directories under the scheme's directory; a dropped step renamed out of the listing, then
-    removed by the removal the manager runs."""
-
-    def __init__(self, location: str, base: Path) -> None:
-        self.location = location.rstrip("/")
-        self.dir = base / self.location.split("://", 1)[1]
-        self.hidden: list[int] = []
-
-    def path(self, step: int) -> str:
-        return f"{self.location}/step-{step}"
-
-    def _steps(self) -> list[int]:
-        if not self.dir.is_dir():
-            return []
-        return sorted(int(p.name[5:]) for p in self.dir.iterdir()
-                      if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
-
-    def is_committed(self, step: int) -> bool:
-        return (self.dir / f"step-{step}" / "manifest.json").is_file()
-
-    def scan(self) -> dict[str, list[int]]:
-        steps = self._steps()
-        return {"committed": [s for s in steps if self.is_committed(s)],
-                "incomplete": [s for s in steps if not self.is_committed(s)]}
-
-    def hide(self, step: int) -> bool:
-        try:
-            os.rename(self.dir / f"step-{step}", self.dir / f".gone-{step}")
-        except OSError:
-            return False
-        self.hidden.append(step)
-        return True
-
-    def removal(self, step: int | None = None) -> Any:
-        gone = [p for p in self.dir.glob(".gone-*")] if step is None else []
-        return (lambda: [shutil.rmtree(p) for p in gone]) if gone else None
-
-    def nothing_here(self) -> str:
-        return _Nothing(f"no checkpoint to restore in {self.location}")
-
-
 def test_a_user_scheme_registered_with_a_step_root_gets_a_manager(tmp_path: Path) -> None:
     """save, steps, retention and restore, through ckptio.CheckpointManager on a scheme of the
     user's own: every data byte through its Store, every step operation through its root."""
-    roots: list[_DirRoot] = []
+    roots: list[DirRoot] = []
 
-    def step_root(location: str, options: Options) -> _DirRoot:
-        roots.append(_DirRoot(location, tmp_path))
+    def step_root(location: str, options: Options) -> DirRoot:
+        roots.append(DirRoot(location, tmp_path))
         return roots[-1]
 
     ckptio.register_store("dirfs", lambda location, options: _Counting(location, tmp_path),

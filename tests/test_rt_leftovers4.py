@@ -24,7 +24,6 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ import ckptio
 from ckptio.options import Options
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing.steproot_check_tools import Roots
+from user_steproot import DirRoot
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -178,45 +178,10 @@ def test_a_same_host_dead_holder_still_says_interrupted(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ a root a user registers
 
 
-class _UserRoot:
-    """A user's StepRoot, written against the protocol only (steproot.py): ``step-N``
-    directories under the scheme's directory; no ``foreign`` of its own."""
-
-    def __init__(self, location: str, base: Path) -> None:
-        self.location = location.rstrip("/")
-        self.dir = base / self.location.split("://", 1)[1]
-
-    def path(self, step: int) -> str:
-        return f"{self.location}/step-{step}"
-
-    def is_committed(self, step: int) -> bool:
-        return (self.dir / f"step-{step}" / "manifest.json").is_file()
-
-    def scan(self) -> dict[str, list[int]]:
-        steps = sorted(int(p.name[5:]) for p in self.dir.glob("step-*")
-                       if p.is_dir() and p.name[5:].isdigit() and str(int(p.name[5:])) == p.name[5:])
-        return {"committed": [s for s in steps if self.is_committed(s)],
-                "incomplete": [s for s in steps if not self.is_committed(s)]}
-
-    def hide(self, step: int) -> bool:
-        try:
-            os.rename(self.dir / f"step-{step}", self.dir / f".gone-{step}")
-        except OSError:
-            return False
-        return True
-
-    def removal(self, step: int | None = None) -> Any:
-        gone = list(self.dir.glob(".gone-*")) if step is None else []
-        return (lambda: [shutil.rmtree(p) for p in gone]) if gone else None
-
-    def nothing_here(self) -> str:
-        return f"no checkpoint to restore in {self.location}"
-
-
 def _register(scheme: str, base: Path) -> None:
     ckptio.register_store(scheme, lambda location, options: LocalStore(
         str(base / location.split("://", 1)[1])), replace=True,
-        step_root=lambda location, options: _UserRoot(location, base))
+        step_root=lambda location, options: DirRoot(location, base))
 
 
 def test_user_root_conformance_finds_torch_checkpointing_steps(tmp_path: Path) -> None:
@@ -228,7 +193,7 @@ def test_user_root_conformance_finds_torch_checkpointing_steps(tmp_path: Path) -
         return LocalStore(str(tmp_path / location.split("://", 1)[1]))
 
     check_torch_checkpointing_steps_found(Roots(
-        make=lambda key: _UserRoot(f"conffs://{key}", tmp_path), store_at=store_at))
+        make=lambda key: DirRoot(f"conffs://{key}", tmp_path), store_at=store_at))
 
 
 def test_torch_checkpointing_steps_under_a_user_root_are_named_not_started_over(

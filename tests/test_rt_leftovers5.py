@@ -198,11 +198,9 @@ dirlock.unlock(held, failed=True)
 """
 
 
-def test_restore_names_the_live_holder_of_a_step_passed_over(tmp_path: Path) -> None:
-    """A run's step 20 being saved by another process of this host (it holds the step's save
-    lock, its files written, no manifest yet): restore() warns naming that process's pid and
-    that its save is still running (not "an interrupted save ... or one running"), and
-    restores step 10, the newest committed."""
+def _step_20_held(tmp_path: Path) -> tuple[Path, Any]:
+    """A run with step 10 committed and step 20's save lock held by a second process (its
+    files begun, no manifest) -> the run and that process (it has printed "held")."""
     import subprocess
     import sys
 
@@ -212,6 +210,15 @@ def test_restore_names_the_live_holder_of_a_step_passed_over(tmp_path: Path) -> 
     (run / "step-20").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(run / "step-20")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return run, holder
+
+
+def test_restore_names_the_live_holder_of_a_step_passed_over(tmp_path: Path) -> None:
+    """A run's step 20 being saved by another process of this host (it holds the step's save
+    lock, its files written, no manifest yet): restore() warns naming that process's pid and
+    that its save is still running (not "an interrupted save ... or one running"), and
+    restores step 10, the newest committed."""
+    run, holder = _step_20_held(tmp_path)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         state = {"w": torch.zeros(8), "step": 0}
@@ -232,15 +239,7 @@ def test_restore_names_the_live_holder_of_a_step_passed_over(tmp_path: Path) -> 
 def test_restore_says_a_killed_holders_step_was_interrupted(tmp_path: Path) -> None:
     """The process saving step 20 killed (SIGKILL) while holding its lock: restore() warns
     that step 20's save was interrupted, naming that pid as exited, and restores step 10."""
-    import subprocess
-    import sys
-
-    run = tmp_path / "run"
-    with ckptio.CheckpointManager(run) as manager:
-        manager.save(10, {"w": torch.full((8,), 10.0), "step": 10})
-    (run / "step-20").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(run / "step-20")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    run, holder = _step_20_held(tmp_path)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
     holder.kill()
     holder.communicate(timeout=30)
