@@ -29,7 +29,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -117,6 +117,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         # (until DeepSpeed loads it again); None outside
         self._opened: dict[str, Manifest | None] | None = None
         self._loaded: dict[str, Any] | None = None
+        self._missing: set[int] | None = None  # the ranks found missing in it
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first; then the
@@ -214,7 +215,8 @@ class CkptioCheckpointEngine(CheckpointEngine):
         else:
             record = self.manifest(where)
             group = (rank_alone_group() if self._loaded is None else
-                     arrived(self.load_group(where), where, self.options.rank_timeout_s))
+                     arrived(self.load_group(where), where, self.options.rank_timeout_s,
+                             self._missing))
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
                                             process_group=group, record=record)
@@ -238,11 +240,18 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def loading(self) -> Iterator[None]:
         """One ``load_checkpoint`` (deepspeed_guard opens it): what ``manifest`` and ``load``
         keep for it is let go when it ends (a later load reads a newer save afresh)."""
-        self._opened, self._loaded = {}, {}
+        self._opened, self._loaded, self._missing = {}, {}, set()
         try:
             yield
         finally:
-            self._opened, self._loaded = None, None
+            self._opened, self._loaded, self._missing = None, None, None
+
+    def missed(self, ranks: Iterable[int]) -> None:
+        """Ranks (global) found not to have come to this load_checkpoint (deepspeed_guard's
+        arrival check): a file they would load together with this rank is loaded by this rank
+        alone, without waiting for them again."""
+        if self._missing is not None:
+            self._missing.update(int(r) for r in ranks)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """The tag's files of this rank are durable and committed when this returns (True);

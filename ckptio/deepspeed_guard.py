@@ -164,8 +164,13 @@ def _whole_tag(engine: Any, folder: str) -> None:
     ours = getattr(engine, "checkpoint_engine", None)
     options = getattr(ours, "options", None) or Options.from_env()
     group = current_group()
-    together = (group is not None
-                and arrive(group, "deepspeed-tag-check", options.rank_timeout_s) is None)
+    late = None if group is None else arrive(group, "deepspeed-tag-check",
+                                             options.rank_timeout_s)
+    together = group is not None and late is None
+    if late:  # the files this rank shares with them: loaded alone, not waited for again
+        missed = getattr(ours, "missed", None)
+        if callable(missed):
+            missed(late)
     ranks = over_torch(group, options) if together else None
     error: IncompleteCheckpointError | None = None
     if ranks is None or ranks.rank == 0:

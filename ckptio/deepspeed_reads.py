@@ -5,7 +5,7 @@ came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), and w
 tensors go (``placed``: DeepSpeed's ``map_location``).
 
 Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
-takes ``arrived(load_group(path), path, timeout)`` as its process group, then ``placed``.
+takes ``arrived(load_group(path), path, timeout, missing)`` as its process group, then ``placed``.
 
 Owns: those three decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
 order of loads (read from DeepSpeed 0.19.8's SDLoader, below).
@@ -28,18 +28,28 @@ from ckptio.distributed.dist import current_group, rank_alone_group
 
 __all__ = ["arrived", "load_group", "placed"]
 
-def arrived(group: Any, path: str, timeout_s: float) -> Any:
+def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
     """``group`` once all its ranks have come to this load of ``path`` (within ``timeout_s``:
     DeepSpeed's load_checkpoint may be called on some ranks only, a ZeRO 1/2 one has no
-    collective of its own), else this rank alone, warned of."""
+    collective of its own), else this rank alone, warned of, naming the missing ranks by their
+    global rank. ``missing``: the global ranks found missing earlier in this load_checkpoint
+    (added to here): a group holding one of them is not waited for again, this rank loads alone
+    (DeepSpeed loads two model files on a model-parallel rank, each waited for otherwise)."""
     if group is None or group is rank_alone_group():
         return group
-    missing = arrive(group, "deepspeed-load", timeout_s)
-    if missing is None:
-        return group
-    warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {list(missing)} of "
-                  "the ranks that load it did not load it within Options.rank_timeout_s "
-                  "(load_checkpoint called on some ranks only?)", UserWarning, stacklevel=4)
+    members = [int(r) for r in torch.distributed.get_process_group_ranks(group)]
+    gone = sorted(set(members) & missing) if missing is not None else []
+    if not gone:
+        late = arrive(group, "deepspeed-load", timeout_s)
+        if late is None:
+            return group
+        gone = [members[r] for r in late]
+        if missing is not None:
+            missing.update(gone)
+    warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {gone} of the ranks "
+                  f"that load it ({members}) did not come to this load_checkpoint within "
+                  "Options.rank_timeout_s (load_checkpoint called on some ranks only? Call it "
+                  "on every rank)", UserWarning, stacklevel=4)
     return rank_alone_group()
 
 
