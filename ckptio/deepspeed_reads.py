@@ -1,13 +1,14 @@
 """How ckptio's DeepSpeed engine (ckptio.deepspeed_engine) reads a file within one
 ``load_checkpoint``: which ranks load it together (``load_group``: a ZeRO 0-2 model file is
 read once for all the ranks that share it, a fresh load over their group), whether they all
-came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), and where its
-tensors go (``placed``: DeepSpeed's ``map_location``).
+came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), whether its values
+are kept for a second load of it (``kept``), and where its tensors go (``placed``: DeepSpeed's
+``map_location``).
 
 Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
 takes ``arrived(load_group(path), path, timeout, missing)`` as its process group, then ``placed``.
 
-Owns: those three decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
+Owns: those four decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
 order of loads (read from DeepSpeed 0.19.8's SDLoader, below).
 """
 
@@ -26,7 +27,7 @@ from ckptio.distributed.arrival import arrive
 from ckptio.devices import moved
 from ckptio.distributed.dist import current_group, rank_alone_group
 
-__all__ = ["arrived", "load_group", "placed"]
+__all__ = ["arrived", "kept", "load_group", "placed"]
 
 def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
     """``group`` once all its ranks have come to this load of ``path`` (within ``timeout_s``:
@@ -80,6 +81,29 @@ def load_group(engine: Any) -> Callable[[str], Any]:
         return alive.data_parallel_group  # the ranks of this model-parallel rank
 
     return group
+
+
+_MP_RANK = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+
+
+def kept(engine: Any) -> Callable[[str], bool]:
+    """Whether a file's first load within a ``load_checkpoint`` of ``engine`` is kept for a
+    second load of it, for ``engine``. DeepSpeed 0.19.8's SDLoader loads the tag's first model
+    file to check the list, then the file of this model-parallel rank: the same file on
+    model-parallel rank 0 (kept: not read twice), another on the others, where the first is
+    not loaded again and keeping it held a whole model shard through the rest of the load.
+    A model file of another model-parallel rank: not kept; any other file, and any file of a
+    universal checkpoint (whose ranks map onto the files otherwise): kept."""
+    ref = weakref.ref(engine)
+
+    def keep(path: str) -> bool:
+        alive = ref()
+        found = _MP_RANK.search(os.path.basename(path))
+        if alive is None or found is None or alive.load_universal_checkpoint():
+            return True
+        return int(found.group(1)) == int(getattr(alive, "checkpoint_mp_rank", 0))
+
+    return keep
 
 
 def placed(loaded: Any, map_location: Any) -> Any:

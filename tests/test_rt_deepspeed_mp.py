@@ -1,6 +1,7 @@
 """ckptio.deepspeed_engine under model parallelism: a real DeepSpeed engine (CPU accelerator,
 four gloo ranks) given a user's model-parallel unit (``deepspeed.initialize(mpu=...)``: two
-model-parallel ranks by two data-parallel ranks, over torch.distributed groups), ZeRO 1 and 2.
+model-parallel ranks by two data-parallel ranks, over torch.distributed groups), ZeRO 0, 1
+and 2 (ZeRO 2 saved decoupled).
 DeepSpeed writes one model file per model-parallel rank (``mp_rank_XX_model_states.pt``) and
 loads, on every rank, the first of them (its SDLoader's check of the list) and then its own;
 ckptio loads each over the loading rank's data-parallel group. Checked: a fresh job resumes
@@ -29,7 +30,7 @@ import deepspeed_cases as cases  # noqa: E402 - after the skip
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
 
 WORLD, MP = 4, 2  # model-parallel rank = rank % MP, data-parallel rank = rank // MP
-STAGES = (1, 2)
+STAGES = (0, 1, 2)
 LIMIT_S = 240
 TIMEOUT_S = 3.0  # Options.rank_timeout_s of the load on some ranks only
 
@@ -121,14 +122,45 @@ def _per_file() -> Counter[str]:
     return counted
 
 
+def _watched(ours: Any) -> dict[str, list[str]]:
+    """Wrap ``ours.load`` -> for each file loaded, the other files whose loaded tensors were
+    still alive (held by someone) when it was loaded."""
+    import gc
+    import weakref
+
+    loaded = ours.load
+    refs: list[tuple[str, Any]] = []
+    held: dict[str, list[str]] = {}
+
+    def load(path: str, map_location: Any = None) -> Any:
+        gc.collect()
+        name = os.path.basename(path)
+        held[name] = sorted({n for n, ref in refs if n != name and ref() is not None})
+        out = loaded(path, map_location)
+        refs.extend((name, weakref.ref(t)) for t in _tensors(out))
+        return out
+
+    ours.load = load
+    return held
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
 def _save(rank: int, world_size: int, root: str) -> list[dict[str, Any]]:
-    """Per stage: train, save through ckptio, train on (the uninterrupted run)."""
+    """Per stage: train, save through ckptio (ZeRO 2: decoupled, committed at the next step),
+    train on (the uninterrupted run)."""
     import ckptio.deepspeed_engine
 
     out = []
     for stage in STAGES:
         engine = _engine(stage)
-        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        ckptio.deepspeed_engine.use(engine, allow_pickle=True, decoupled=stage == 2)
         cases.train(engine, cases.SAVE_AT)
         engine.save_checkpoint(os.path.join(root, str(stage)))
         losses = cases.train(engine, cases.MORE)
@@ -146,12 +178,13 @@ def _resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     counted, runs = _per_file(), []
     for stage in STAGES:
         engine = _engine(stage)
-        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        held = _watched(ckptio.deepspeed_engine.use(engine, allow_pickle=True))
         counted.clear()
         path, _ = engine.load_checkpoint(os.path.join(root, str(stage)))
         read = dict(counted)
         losses = cases.train(engine, cases.MORE)
-        runs.append({**cases.snapshot(engine), "losses": losses, "loaded": path, "read": read})
+        runs.append({**cases.snapshot(engine), "losses": losses, "loaded": path, "read": read,
+                     "held": held})
         engine.destroy()
     engine = _engine(1)
     ckptio.deepspeed_engine.use(engine, allow_pickle=True,
@@ -243,3 +276,15 @@ def test_a_load_on_some_ranks_only_ends_warned(jobs: dict[str, Any]) -> None:
         assert name in said and "rank(s) [3]" in said and "[1, 3]" in said, said
     for rank in (0, 2):  # their group came whole: loaded together, no warning of it
         assert not [w for w in partial[rank]["warned"] if "alone" in w], partial[rank]
+
+
+@pytest.mark.parametrize("i", range(len(STAGES)), ids=[f"zero{s}" for s in STAGES])
+def test_the_first_model_file_is_let_go_on_other_model_parallel_ranks(jobs: dict[str, Any],
+                                                                     i: int) -> None:
+    """DeepSpeed loads mp_rank_00 on model-parallel rank 1 only to check the file list, then
+    drops it: ckptio kept its tensors for a second load that never came, a whole model shard
+    held through the load of the rank's own file (and of the rest of the checkpoint)."""
+    own = "mp_rank_01_model_states.pt"
+    for rank in range(1, WORLD, MP):
+        held = jobs["resumed"][rank]["runs"][i]["held"]
+        assert held[own] == [], (rank, held)
