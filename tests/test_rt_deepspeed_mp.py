@@ -186,21 +186,35 @@ def _resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
         runs.append({**cases.snapshot(engine), "losses": losses, "loaded": path, "read": read,
                      "held": held})
         engine.destroy()
+    partial = _partial(os.path.join(root, "1"), skip=rank == WORLD - 1, late=False)
+    late = _partial(os.path.join(root, "1"), skip=False, late=rank == WORLD - 1)
+    return {"runs": runs, "partial": partial, "late": late}
+
+
+def _partial(where: str, skip: bool, late: bool) -> dict[str, Any]:
+    """A fresh ZeRO 1 engine (Options.rank_timeout_s=TIMEOUT_S) loads ``where`` unless
+    ``skip``, ``late``: after sleeping past the others' wait -> how long the load took, what
+    it warned of, the step and parameters it resumed."""
+    import ckptio
+    import ckptio.deepspeed_engine
+
     engine = _engine(1)
     ckptio.deepspeed_engine.use(engine, allow_pickle=True,
                                 options=ckptio.Options(rank_timeout_s=TIMEOUT_S))
-    partial: dict[str, Any] = {"skipped": rank == WORLD - 1}
-    if rank != WORLD - 1:
+    out: dict[str, Any] = {"skipped": skip}
+    if not skip:
+        time.sleep(1.5 * TIMEOUT_S if late else 0)
         started = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            path, _ = engine.load_checkpoint(os.path.join(root, "1"))
-        partial.update(seconds=time.monotonic() - started, loaded=path,
-                       warned=[str(w.message) for w in caught if "ckptio" in str(w.message)],
-                       step=engine.global_steps)
+            path, _ = engine.load_checkpoint(where)
+        out.update(seconds=time.monotonic() - started, loaded=path,
+                   warned=[str(w.message) for w in caught if "ckptio" in str(w.message)],
+                   step=engine.global_steps,
+                   params=[p.detach().clone() for p in engine.module.parameters()])
     torch.distributed.barrier()
     engine.destroy()
-    return {"runs": runs, "partial": partial}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +302,17 @@ def test_the_first_model_file_is_let_go_on_other_model_parallel_ranks(jobs: dict
     for rank in range(1, WORLD, MP):
         held = jobs["resumed"][rank]["runs"][i]["held"]
         assert held[own] == [], (rank, held)
+
+
+def test_a_rank_that_comes_late_loads_alone_and_resumes_alike(jobs: dict[str, Any]) -> None:
+    """Rank 3 calls load_checkpoint after the others gave up waiting for it: it waits
+    Options.rank_timeout_s once more, alone, loads alone, warned, and resumes the same step
+    and the same parameters as its data-parallel partner, rank 1."""
+    late = [jobs["resumed"][rank]["late"] for rank in range(WORLD)]
+    for rank in range(WORLD):
+        assert late[rank]["step"] == cases.SAVE_AT, late[rank]
+        assert late[rank]["seconds"] < 2 * TIMEOUT_S, late[rank]
+    for x, y in zip(late[1]["params"], late[3]["params"], strict=True):
+        assert torch.equal(x, y)
+    assert [w for w in late[3]["warned"] if "mp_rank_01_model_states.pt is loaded by this "
+            "rank alone" in w], late[3]["warned"]
