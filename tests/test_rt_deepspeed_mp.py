@@ -74,15 +74,16 @@ class Mpu:
 _MPU: list[Mpu] = []
 
 
-def _engine(stage: int) -> Any:
-    """A fresh DeepSpeed engine (ZeRO ``stage``) given this process's Mpu, seeded alike."""
+def _engine(stage: int, mpu: bool = True) -> Any:
+    """A fresh DeepSpeed engine (ZeRO ``stage``) given this process's Mpu (``mpu``; else none:
+    model-parallel size one), seeded alike."""
     os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
     import importlib
 
     import deepspeed
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if not _MPU:
+    if mpu and not _MPU:
         _MPU.append(Mpu())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -96,7 +97,7 @@ def _engine(stage: int) -> Any:
         "steps_per_print": 1000,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config, mpu=_MPU[0])
+                                      config=config, mpu=_MPU[0] if mpu else None)
     return engine
 
 
@@ -217,13 +218,28 @@ def _partial(where: str, skip: bool, late: bool) -> dict[str, Any]:
     return out
 
 
+def _without_mpu(rank: int, world_size: int, root: str) -> str:
+    """A job without an mpu (model-parallel size one) loads the ZeRO 1 save -> what it raised."""
+    import ckptio
+    import ckptio.deepspeed_engine
+
+    engine = _engine(1, mpu=False)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+    try:
+        engine.load_checkpoint(os.path.join(root, "1"))
+    except Exception as exc:  # noqa: BLE001 - the test reads which exception it was
+        return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The saving job, then one fresh job resuming it (and loading on some ranks only)."""
     root = tmp_path_factory.mktemp("deepspeed-mp")
     saved = run_ranks(WORLD, _save, str(root), timeout_s=LIMIT_S)
     resumed = run_ranks(WORLD, _resume, str(root), timeout_s=LIMIT_S)
-    return {"root": root, "saved": saved, "resumed": resumed}
+    other = run_ranks(2, _without_mpu, str(root), timeout_s=LIMIT_S)
+    return {"root": root, "saved": saved, "resumed": resumed, "other": other}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -316,3 +332,13 @@ def test_a_rank_that_comes_late_loads_alone_and_resumes_alike(jobs: dict[str, An
         assert torch.equal(x, y)
     assert [w for w in late[3]["warned"] if "mp_rank_01_model_states.pt is loaded by this "
             "rank alone" in w], late[3]["warned"]
+
+
+def test_another_model_parallel_size_is_refused_naming_both(jobs: dict[str, Any]) -> None:
+    """A job without the mpu loads the save: DeepSpeed merged the two model files as Megatron's
+    and failed with a bare AssertionError naming a Megatron key; refused on every rank as an
+    UnsupportedStateError naming both model-parallel sizes and the ways on."""
+    for said in jobs["other"]:
+        assert said.startswith("ckptio.errors.UnsupportedStateError"), said
+        assert "model-parallel size 2" in said and "this job's is 1" in said, said
+        assert "mpu=" in said and "load_module_only=True" in said, said
