@@ -29,14 +29,14 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
-from ckptio.deepspeed_reads import arrived, load_group, placed
+from ckptio.deepspeed_reads import arrived, kept, load_group, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -102,6 +102,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self.load_group: Callable[[str], Any] = lambda path: rank_alone_group()
         """The process group a load of a file within a ``load_checkpoint`` runs over (``use``
         sets it: ``_load_group``); this rank alone by default."""
+        self.kept: Callable[[str], bool] = lambda path: True
+        """Whether a file's first load within a ``load_checkpoint`` is kept for DeepSpeed's
+        second load of it (``use`` sets it: deepspeed_reads.kept); kept by default."""
         self.training: Callable[[], str | None] = lambda: None
         """Where training stands (``use`` sets it from the DeepSpeed engine): stored with each
         file, so that a tag whose files come from two saves is refused at load."""
@@ -117,6 +120,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         # (until DeepSpeed loads it again); None outside
         self._opened: dict[str, Manifest | None] | None = None
         self._loaded: dict[str, Any] | None = None
+        self._missing: set[int] | None = None  # the ranks found missing in it
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first; then the
@@ -203,10 +207,12 @@ class CkptioCheckpointEngine(CheckpointEngine):
         format) loads too, so a job can switch engines between two tags. Its manifest is read
         once; within one load_checkpoint a file loaded again (DeepSpeed loads the model file
         to check it, then to load it) is not read again: its first load's values are handed
-        out again, in a new top-level dict. Within a load_checkpoint, the ZeRO 1/2 model file
-        that every data-parallel rank loads is loaded by them together (``_load_group``): each
-        of its bytes read from storage by one of them and sent to the others; any other file,
-        and any load outside a load_checkpoint, by this rank alone."""
+        out again, in a new top-level dict (kept only where DeepSpeed loads it again:
+        ``kept``; another model-parallel rank's file, loaded for the check, is let go).
+        Within a load_checkpoint, the ZeRO 1/2 model file that every data-parallel rank loads
+        is loaded by them together (``_load_group``): each of its bytes read from storage by
+        one of them and sent to the others; any other file, and any load outside a
+        load_checkpoint, by this rank alone."""
         self._settle()
         where = os.path.abspath(os.fspath(path))
         if self._loaded is not None and where in self._loaded:
@@ -214,12 +220,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
         else:
             record = self.manifest(where)
             group = (rank_alone_group() if self._loaded is None else
-                     arrived(self.load_group(where), where, self.options.rank_timeout_s))
+                     arrived(self.load_group(where), where, self.options.rank_timeout_s,
+                             self._missing))
             loaded = self.checkpointer.load(path, verify=self.verify,
                                             allow_pickle=self.allow_pickle,
                                             process_group=group, record=record)
             self._tags.check(where, record)
-            if self._loaded is not None:
+            if self._loaded is not None and self.kept(where):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
         return placed(loaded, map_location)
 
@@ -238,11 +245,18 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def loading(self) -> Iterator[None]:
         """One ``load_checkpoint`` (deepspeed_guard opens it): what ``manifest`` and ``load``
         keep for it is let go when it ends (a later load reads a newer save afresh)."""
-        self._opened, self._loaded = {}, {}
+        self._opened, self._loaded, self._missing = {}, {}, set()
         try:
             yield
         finally:
-            self._opened, self._loaded = None, None
+            self._opened, self._loaded, self._missing = None, None, None
+
+    def missed(self, ranks: Iterable[int]) -> None:
+        """Ranks (global) found not to have come to this load_checkpoint (deepspeed_guard's
+        arrival check): a file they would load together with this rank is loaded by this rank
+        alone, without waiting for them again."""
+        if self._missing is not None:
+            self._missing.update(int(r) for r in ranks)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """The tag's files of this rank are durable and committed when this returns (True);
@@ -358,6 +372,7 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
                                   take_over=take_over)
     ours.training = _training(engine)
     ours.load_group = load_group(engine)
+    ours.kept = kept(engine)
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)

@@ -5,11 +5,11 @@ file, the keys or ranks, and the fix (docs/guides/deepspeed.md).
 
 Owns: those checks, made before DeepSpeed reads anything: the tag folder a load reads (named,
 or from ``latest``) and that its files are of one save (alike on every rank), the saved ZeRO
-parameter shapes against the model's, the number of ZeRO-3 ranks, and ZeRO-3 weights without
-optimizer states; where a load finds no ``latest`` (a fresh start), the warning naming a run
-spelled alike beside it (a mistyped directory); and that a save's or load's directory is a
-local path (``local_only``: DeepSpeed reaches ``latest`` and its tag folders with local file
-calls, so a URL would land in a local folder named ``s3:``).
+parameter shapes against the model's, the number of ZeRO-3 ranks, ZeRO 1/2's model-parallel
+size, and ZeRO-3 weights without optimizer states; where a load finds no ``latest`` (a fresh
+start), the warning naming a run spelled alike beside it (a mistyped directory); and that a
+save's or load's directory is a local path (``local_only``: DeepSpeed reaches ``latest`` and
+its tag folders with local file calls, so a URL would land in a local folder named ``s3:``).
 Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
 """
 
@@ -92,6 +92,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
             if not optimizer and not getattr(engine, "has_moe_layers", False):
                 _refuse_zero3_weights_only(os.fspath(given["load_dir"]), folder)
         if optimizer and not given.get("load_module_only", False) and engine.zero_optimization():
+            _check_model_parallel_size(engine, folder)
             _check_parameters(engine, folder)
         return load_checkpoint(*args, **kwargs)
 
@@ -164,8 +165,13 @@ def _whole_tag(engine: Any, folder: str) -> None:
     ours = getattr(engine, "checkpoint_engine", None)
     options = getattr(ours, "options", None) or Options.from_env()
     group = current_group()
-    together = (group is not None
-                and arrive(group, "deepspeed-tag-check", options.rank_timeout_s) is None)
+    late = None if group is None else arrive(group, "deepspeed-tag-check",
+                                             options.rank_timeout_s)
+    together = group is not None and late is None
+    if late:  # the files this rank shares with them: loaded alone, not waited for again
+        missed = getattr(ours, "missed", None)
+        if callable(missed):
+            missed(late)
     ranks = over_torch(group, options) if together else None
     error: IncompleteCheckpointError | None = None
     if ranks is None or ranks.rank == 0:
@@ -259,6 +265,28 @@ def _check_parameters(engine: Any, folder: str) -> None:
             "saved (under ZeRO 1 and 2, a layer added or removed, the weights alone load with "
             "load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states="
             "False, load_module_strict=False)")
+
+
+def _check_model_parallel_size(engine: Any, folder: str) -> None:
+    """ZeRO 1/2 keep a model file and optimizer files per model-parallel rank: on another
+    model-parallel size DeepSpeed merges or splits the model files as Megatron's (an
+    AssertionError naming a Megatron key for any other model) and finds no optimizer file of
+    its own; refused naming both sizes and the ways on."""
+    if engine.zero_optimization_partition_weights():
+        return
+    saved = len([f for f in _model_files(folder)
+                 if re.fullmatch(r"mp_rank_\d+_model_states\.pt", os.path.basename(f))])
+    now = int(getattr(engine, "mp_world_size", 1) or 1)
+    if saved and saved != now:
+        raise UnsupportedStateError(
+            f"{folder} was saved at model-parallel size {saved} (a model file per model-parallel "
+            f"rank, mp_rank_XX_model_states.pt) and this job's is {now}: DeepSpeed loads ZeRO's "
+            f"optimizer state only at the model-parallel size that saved it; run with a "
+            f"model-parallel unit of size {saved} (deepspeed.initialize(mpu=...)), load the "
+            "weights alone (load_module_only=True, load_optimizer_states=False, "
+            "load_lr_scheduler_states=False: DeepSpeed merges or splits Megatron models' "
+            "files only), or convert it with DeepSpeed's ds_to_universal.py (on a "
+            "ckptio.deepspeed_engine.to_torch_save copy) and load that as a universal checkpoint")
 
 
 def _shapes(groups: Any) -> list[tuple[str, tuple[int, ...]]]:

@@ -1,13 +1,14 @@
 """How ckptio's DeepSpeed engine (ckptio.deepspeed_engine) reads a file within one
 ``load_checkpoint``: which ranks load it together (``load_group``: a ZeRO 0-2 model file is
 read once for all the ranks that share it, a fresh load over their group), whether they all
-came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), and where its
-tensors go (``placed``: DeepSpeed's ``map_location``).
+came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), whether its values
+are kept for a second load of it (``kept``), and where its tensors go (``placed``: DeepSpeed's
+``map_location``).
 
 Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
-takes ``arrived(load_group(path), path, timeout)`` as its process group, then ``placed``.
+takes ``arrived(load_group(path), path, timeout, missing)`` as its process group, then ``placed``.
 
-Owns: those three decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
+Owns: those four decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
 order of loads (read from DeepSpeed 0.19.8's SDLoader, below).
 """
 
@@ -26,20 +27,30 @@ from ckptio.distributed.arrival import arrive
 from ckptio.devices import moved
 from ckptio.distributed.dist import current_group, rank_alone_group
 
-__all__ = ["arrived", "load_group", "placed"]
+__all__ = ["arrived", "kept", "load_group", "placed"]
 
-def arrived(group: Any, path: str, timeout_s: float) -> Any:
+def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
     """``group`` once all its ranks have come to this load of ``path`` (within ``timeout_s``:
     DeepSpeed's load_checkpoint may be called on some ranks only, a ZeRO 1/2 one has no
-    collective of its own), else this rank alone, warned of."""
+    collective of its own), else this rank alone, warned of, naming the missing ranks by their
+    global rank. ``missing``: the global ranks found missing earlier in this load_checkpoint
+    (added to here): a group holding one of them is not waited for again, this rank loads alone
+    (DeepSpeed loads two model files on a model-parallel rank, each waited for otherwise)."""
     if group is None or group is rank_alone_group():
         return group
-    missing = arrive(group, "deepspeed-load", timeout_s)
-    if missing is None:
-        return group
-    warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {list(missing)} of "
-                  "the ranks that load it did not load it within Options.rank_timeout_s "
-                  "(load_checkpoint called on some ranks only?)", UserWarning, stacklevel=4)
+    members = [int(r) for r in torch.distributed.get_process_group_ranks(group)]
+    gone = sorted(set(members) & missing) if missing is not None else []
+    if not gone:
+        late = arrive(group, "deepspeed-load", timeout_s)
+        if late is None:
+            return group
+        gone = [members[r] for r in late]
+        if missing is not None:
+            missing.update(gone)
+    warnings.warn(f"ckptio: {path} is loaded by this rank alone: rank(s) {gone} of the ranks "
+                  f"that load it ({members}) did not come to this load_checkpoint within "
+                  "Options.rank_timeout_s (load_checkpoint called on some ranks only? Call it "
+                  "on every rank)", UserWarning, stacklevel=4)
     return rank_alone_group()
 
 
@@ -70,6 +81,29 @@ def load_group(engine: Any) -> Callable[[str], Any]:
         return alive.data_parallel_group  # the ranks of this model-parallel rank
 
     return group
+
+
+_MP_RANK = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+
+
+def kept(engine: Any) -> Callable[[str], bool]:
+    """Whether a file's first load within a ``load_checkpoint`` of ``engine`` is kept for a
+    second load of it, for ``engine``. DeepSpeed 0.19.8's SDLoader loads the tag's first model
+    file to check the list, then the file of this model-parallel rank: the same file on
+    model-parallel rank 0 (kept: not read twice), another on the others, where the first is
+    not loaded again and keeping it held a whole model shard through the rest of the load.
+    A model file of another model-parallel rank: not kept; any other file, and any file of a
+    universal checkpoint (whose ranks map onto the files otherwise): kept."""
+    ref = weakref.ref(engine)
+
+    def keep(path: str) -> bool:
+        alive = ref()
+        found = _MP_RANK.search(os.path.basename(path))
+        if alive is None or found is None or alive.load_universal_checkpoint():
+            return True
+        return int(found.group(1)) == int(getattr(alive, "checkpoint_mp_rank", 0))
+
+    return keep
 
 
 def placed(loaded: Any, map_location: Any) -> Any:
