@@ -30,7 +30,14 @@ def engine_for(stage: int, world_size: int) -> Any:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
                                 torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    config = {
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config_for(stage))
+    return engine
+
+
+def config_for(stage: int) -> dict[str, Any]:
+    """The DeepSpeed config of these tests: Adam, WarmupLR, ZeRO ``stage``."""
+    return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -39,9 +46,6 @@ def engine_for(stage: int, world_size: int) -> Any:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
-    return engine
 
 
 def train(engine: Any, steps: int) -> list[float]:

@@ -87,17 +87,10 @@ def _engine(stage: int, mpu: bool = True) -> Any:
         _MPU.append(Mpu())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4,
-                                                     "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1000,
-    }
+    from deepspeed_cases import config_for
+
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config, mpu=_MPU[0] if mpu else None)
+                                      config=config_for(stage), mpu=_MPU[0] if mpu else None)
     return engine
 
 
