@@ -8,7 +8,8 @@ a step across ranks first and calls ``restore_first`` for that one step.
 - Candidates: every step committed in some tier, newest first; each tried in the tiers holding
   it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
   and newer than the one restored is named in the warning, with what its save lock says of
-  that save (running, ended, or on another host) where its store can tell; one holding a torch_checkpointing
+  that save (running, ended, or on another host) where its store can tell (the newest
+  LOCKS_ASKED such steps: a lock look-up each); one holding a torch_checkpointing
   checkpoint is named as that, with its load or convert.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   so does a storage error where a slower tier holds the same step (that copy is unreadable, the
@@ -40,6 +41,8 @@ from ckptio.storage import missing_manifest
 from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
 from ckptio.storage.store_contract import TellsInFlight
+
+LOCKS_ASKED = 4  # the newest incomplete steps whose save lock a restore's warning reads
 
 __all__ = ["Restored", "candidates", "emptiness", "first_only", "incomplete", "neighbours",
            "nothing_to_restore", "restore_first", "started_fresh", "where"]
@@ -95,8 +98,10 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     newer = incomplete(listings)
     foreign = _foreign_paths(levels, listings) if newer else {}
     passed: list[str] = []
+    asked = set(sorted(newer)[-LOCKS_ASKED:])  # a run of many left over: a look-up each, not all
     for candidate, holders in found:
-        passed += [_passed_over(s, foreign.get(s), _lock_says(levels, listings, s))
+        passed += [_passed_over(s, foreign.get(s),
+                                _lock_says(levels, listings, s) if s in asked else "")
                    for s in reversed(newer) if s > candidate]
         newer = [s for s in newer if s < candidate]
         for k in holders:
