@@ -42,7 +42,7 @@ from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.loadsteps import UnexpectedKeys, nobody_asks
 from ckptio.distributed.step import coordinate, listed
-from ckptio.errors import RankFailedError
+from ckptio.errors import CorruptCheckpointError, RankFailedError
 from ckptio.format.checksum import ALGORITHMS, TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
 from ckptio.io.buffers import torch_dtype
@@ -60,6 +60,7 @@ class ReadWith(Protocol):
 
     def __call__(self, reads: list[Read], known: Known | None = None) -> int: ...
 
+_DAMAGE = CorruptCheckpointError.__name__  # in a rank's failure as the others learn it
 _OWN_FORMAT = (TREE, "xxh3_64")  # ckptio's own checkpoints' checksums (blocks' too)
 
 
@@ -209,8 +210,9 @@ class SharedReads:
             coordinate(self.group, None if error is not None else b"", error,
                        lambda messages: [b""] * len(messages),
                        self._failed_loaded if loaded else self._failed)
-        except RankFailedError as exc:
-            if exc.ranks or not again or read is None:  # a rank gone: nothing comes
+        except RankFailedError as exc:  # damage another rank found is read here too (raised
+            # alike); any other failure at once (reading kept this rank past the others' exit)
+            if exc.ranks or not again or read is None or _DAMAGE not in str(exc):
                 raise
             read(again)
             raise
