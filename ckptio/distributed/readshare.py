@@ -268,12 +268,10 @@ def _wire(key: tuple[tuple[int, ...], float], generation: int) -> Any:
     (the same generation), else a new one (every member makes it at this point)."""
     known = _wires.get(key)
     group = known[1]() if known is not None and known[0] == generation else None
-    if group is None:  # the world's by every rank: a group made with local synchronization is
-        # named by the groups its process holds, which differ where a rank made one alone
-        whole = len(key[0]) == torch.distributed.get_world_size()
+    if group is None:
         group = torch.distributed.new_group(list(key[0]), backend="gloo",
                                             timeout=timedelta(seconds=key[1]),
-                                            use_local_synchronization=not whole)
+                                            use_local_synchronization=True)
         _wires[key] = (generation, weakref.ref(group))
     return group
 
