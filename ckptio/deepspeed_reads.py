@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from ckptio.distributed.arrival import arrive
 from ckptio.devices import moved
+from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, rank_alone_group
 
 __all__ = ["arrived", "kept", "load_group", "placed"]
+
 
 def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
     """``group`` once all its ranks have come to this load of ``path`` (within ``timeout_s``:
