@@ -81,11 +81,15 @@ class StorageIOError(CkptError):
 class RankFailedError(CkptError):
     """A collective save or load failed on one or more ranks; raised on every rank, naming them.
     ``ranks``: the ranks (of the save's or load's process group) found dead or stuck, when
-    that is why (empty when a rank reported an error of its own, which the message quotes)."""
+    that is why (empty when a rank reported an error of its own, which the message quotes).
+    ``kinds``: the class names of the errors the failing ranks reported (a rank's own
+    CorruptCheckpointError: "CorruptCheckpointError"), in rank order; empty when none did."""
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, ranks: tuple[int, ...] = (),
+                 kinds: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.kinds = kinds
 
 
 class CheckpointLockedError(CkptError):

@@ -15,7 +15,9 @@ def _group() -> Group:
 
 def one_step(rank: int, world: int, case: str) -> str:
     group = _group()
-    error = ValueError("bad input") if case == "rank1 fails" and rank == 1 else None
+    error = ValueError("bad input") if case in ("rank1 fails", "two fail") and rank == 1 else None
+    if case == "two fail" and rank == 2:
+        error = ckptio.CorruptCheckpointError("bad bytes\nsecond line")
     mine = None if error is not None else f"from {rank}".encode()
 
     def decide(messages: list[bytes]) -> list[bytes]:
@@ -25,6 +27,9 @@ def one_step(rank: int, world: int, case: str) -> str:
 
     try:
         answer = coordinate(group, mine, error, decide, lambda f: "step failed on " + "; ".join(f))
+    except ckptio.RankFailedError as exc:
+        kinds = ",".join(exc.kinds)
+        return f"RankFailedError: {exc}" + (f" [kinds {kinds}]" if case == "two fail" else "")
     except ckptio.CkptError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "own error" if answer is None else answer.decode()

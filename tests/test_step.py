@@ -24,6 +24,16 @@ def test_a_failed_rank_fails_every_rank_and_is_named():
         assert results[r].startswith("RankFailedError: step failed on rank 1: ValueError: bad input")
 
 
+def test_the_others_learn_each_failing_rank_s_error_kind():
+    """RankFailedError.kinds: the failing ranks' error classes in rank order (what a caller
+    tells damage from other failures by), the message naming each rank's error in full."""
+    results = run_ranks(3, cases.one_step, "two fail")
+    assert results[1:] == ["own error", "own error"]
+    assert results[0].endswith(" [kinds ValueError,CorruptCheckpointError]"), results[0]
+    assert "rank 1: ValueError: bad input" in results[0]
+    assert "rank 2: CorruptCheckpointError: bad bytes\nsecond line" in results[0]
+
+
 def test_the_coordinator_failing_to_decide_fails_every_rank():
     results = run_ranks(3, cases.one_step, "decide fails")
     assert results[0] == "CkptError: cannot decide"

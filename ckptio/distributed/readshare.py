@@ -21,19 +21,17 @@ units are read from storage, with a warning naming it and why (the load's final 
 fails on every rank if it is gone). Every rank runs the step once: with its reads
 (``__call__``), or with the error it met before (``fail``).
 
-Owns: the steps, the wire group, the fallback. Does not own: the messages' bytes
-(sendreads.py), the decisions (planning/shared_reads.py), the reads themselves (loading/).
+Owns: the steps, the fallback. Does not own: the messages' bytes (sendreads.py), the
+decisions (planning/shared_reads.py), the reads (loading/), the wire group (wiregroup.py).
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +40,7 @@ from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.loadsteps import UnexpectedKeys, nobody_asks
 from ckptio.distributed.step import coordinate, listed
+from ckptio.distributed.wiregroup import Wire, generation
 from ckptio.errors import CorruptCheckpointError, RankFailedError
 from ckptio.format.checksum import ALGORITHMS, TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
@@ -60,7 +59,7 @@ class ReadWith(Protocol):
 
     def __call__(self, reads: list[Read], known: Known | None = None) -> int: ...
 
-_DAMAGE = CorruptCheckpointError.__name__  # in a rank's failure as the others learn it
+_DAMAGE = CorruptCheckpointError.__name__  # a rank's failure's kind as the others learn it
 _OWN_FORMAT = (TREE, "xxh3_64")  # ckptio's own checkpoints' checksums (blocks' too)
 
 
@@ -77,11 +76,6 @@ class ReadPlace:
     verify: bool
     in_memory: bool
     path_of: Callable[[str], str]
-
-
-# (group members, timeout) -> (generation, the wire group, weakly: torch's registry holds it
-# until destroy_process_group, and holding it here would keep its threads alive past that)
-_wires: dict[tuple[tuple[int, ...], float], tuple[int, weakref.ref[Any]]] = {}
 
 
 class SharedReads:
@@ -110,7 +104,8 @@ class SharedReads:
         share = Share(tuple(decision["owner"]), {int(i): tuple(to)
                                                  for i, to in decision["to"].items()})
         whole, parts = _split(share, len(units))
-        wire = _Wire(self.members, self.timeout_s, decision["wire"])
+        wire = Wire(self.members, self.timeout_s, decision["wire"],
+                    place.algorithm if place.verify else None, place.block_nbytes, place.path_of)
         main = rest + [r for i in range(len(units)) if share.owner[i] == -1 for r in by_unit[i]]
         nbytes, known, failed = 0, Known(), dict[int, str]()
         self.pending = "read"
@@ -123,12 +118,11 @@ class SharedReads:
         except BaseException as exc:
             self.fail(exc)
             raise
-        self._read_done(None, again=[r for i in range(len(units)) if share.owner[i] != -1
-                                     for r in by_unit[i]], read=read)
-        failed_units = wire.exchange(units + blocks, whole, place)
+        self._read_done(None, again=lambda: _sent_by(share, by_unit, lambda o: o != -1),
+                        read=read)
+        failed_units = wire.exchange(units + blocks, whole)
         wire.close(bool(failed or failed_units))
-        again = [r for i in range(len(units)) if share.owner[i] in failed_units
-                 for r in by_unit[i]]
+        again = _sent_by(share, by_unit, failed_units.__contains__)
         failed.update(failed_units)
         if not failed:
             return nbytes
@@ -142,7 +136,7 @@ class SharedReads:
 
     def _blocks(self, units: list[sendreads.Unit], parts: Share, main: list[Read],
                 read: ReadWith, place: ReadPlace,
-                wire: _Wire) -> tuple[int, Known, dict[int, str]]:
+                wire: Wire) -> tuple[int, Known, dict[int, str]]:
         """The blocks step and this rank's reads: read the shared blocks this rank owns, agree
         all did; then, while the blocks are exchanged (a thread of its own), read the ``main``
         reads that need no block from another rank, and the others once the blocks are here.
@@ -156,7 +150,7 @@ class SharedReads:
         coming = [units[i].entry for i, owner in enumerate(parts.owner) if owner != -1]
         early, late = _waiting_for(main, coming)
         with ThreadPoolExecutor(1, thread_name_prefix="ckptio-block-exchange") as pool:
-            exchange = pool.submit(wire.exchange, units, parts, place)
+            exchange = pool.submit(wire.exchange, units, parts)
             try:
                 nbytes += read(early, known)
             finally:
@@ -173,7 +167,8 @@ class SharedReads:
         for unit in units:
             files.setdefault(unit.entry.file, 0)
         index = {file: i for i, file in enumerate(files)}
-        mine = {"on": on, "wire": self._generation(), "files": [*files.items()],
+        mine = {"on": on, "wire": generation(self.members, self.timeout_s),
+                "files": [*files.items()],
                 "units": [[u.name, u.entry.nbytes, index[u.entry.file]] for u in units],
                 "nwhole": nwhole, "host": host_id(),
                 "unexpected": self.keys.message() if self.keys else [],
@@ -201,10 +196,12 @@ class SharedReads:
             self._read_done(error)
 
     def _read_done(self, error: BaseException | None, loaded: bool = True,
-                   again: list[Read] | None = None, read: ReadWith | None = None) -> None:
+                   again: Callable[[], list[Read]] | None = None,
+                   read: ReadWith | None = None) -> None:
         """The step after a read; ``loaded``: that read filled the state's tensors. Where
-        another rank's read failed (damage), this rank reads ``again`` (what it was to receive)
-        with ``read`` first: its own error (that damage) is what it raises, else the other's."""
+        another rank's read failed (damage), this rank reads ``again()`` (what it was to
+        receive) with ``read`` first: its own error (that damage) is what it raises, else the
+        other's."""
         self.pending = None
         try:
             coordinate(self.group, None if error is not None else b"", error,
@@ -212,9 +209,9 @@ class SharedReads:
                        self._failed_loaded if loaded else self._failed)
         except RankFailedError as exc:  # damage another rank found is read here too (raised
             # alike); any other failure at once (reading kept this rank past the others' exit)
-            if exc.ranks or not again or read is None or _DAMAGE not in str(exc):
+            if exc.ranks or again is None or read is None or _DAMAGE not in exc.kinds:
                 raise
-            read(again)
+            read(again())
             raise
 
     def _failed(self, failures: list[str]) -> str:
@@ -224,56 +221,11 @@ class SharedReads:
         return (self._failed(failures) + "; this rank's state may be partly loaded: load again "
                 "once the cause is fixed")
 
-    def _generation(self) -> int:
-        known = _wires.get((self.members, self.timeout_s))
-        return known[0] if known is not None and known[1]() is not None else 0
-
-
-class _Wire:
-    """The wire group of one load (made at its first exchange, kept for its second)."""
-
-    def __init__(self, members: tuple[int, ...], timeout_s: float, generation: int) -> None:
-        self.key, self.generation = (members, timeout_s), generation
-        self.group: Any = None
-        self.error: str | None = None
-
-    def exchange(self, units: list[sendreads.Unit], share: Share,
-                 place: ReadPlace) -> dict[int, str]:
-        """sendreads.exchange over the wire group (made here by every member, at the load's
-        first exchange) -> the peers whose messages failed."""
-        if self.group is None and self.error is None:
-            try:
-                self.group = _wire(self.key, self.generation)
-            except RuntimeError as exc:  # the wire group could not be made (a peer gone)
-                self.error = f"{type(exc).__name__}: {exc}"
-        if self.group is None:
-            _wires.pop(self.key, None)
-            return {o: str(self.error) for o in share.owner if o != -1}
-        try:
-            return sendreads.exchange(self.group, units, share,
-                                      place.algorithm if place.verify else None,
-                                      place.block_nbytes, place.path_of)
-        except BaseException:
-            _wires.pop(self.key, None)
-            raise
-
-    def close(self, failed: bool) -> None:
-        """After a failed exchange its pairs may be closed: the next load makes a new one."""
-        if failed:
-            _wires.pop(self.key, None)
-
-
-def _wire(key: tuple[tuple[int, ...], float], generation: int) -> Any:
-    """The wire group of ``key``'s members: the one made before if every rank still holds it
-    (the same generation), else a new one (every member makes it at this point)."""
-    known = _wires.get(key)
-    group = known[1]() if known is not None and known[0] == generation else None
-    if group is None:
-        group = torch.distributed.new_group(list(key[0]), backend="gloo",
-                                            timeout=timedelta(seconds=key[1]),
-                                            use_local_synchronization=True)
-        _wires[key] = (generation, weakref.ref(group))
-    return group
+def _sent_by(share: Share, by_unit: list[list[Read]],
+             which: Callable[[int], bool]) -> list[Read]:
+    """The reads of the whole entries this rank receives from an owner ``which`` accepts."""
+    return [r for i, reads in enumerate(by_unit) if share.owner[i] != -1
+            and which(share.owner[i]) for r in reads]
 
 
 def _held(units: list[sendreads.Unit], which: list[int]) -> Known:

@@ -6,7 +6,8 @@ answer or every rank fails.
 Every rank sends its message (``mine``) or the error it met computing it. The coordinator, if
 no rank failed, calls ``decide`` with every rank's message (in rank order) and sends each rank
 its answer. If any rank failed, or ``decide`` raised, every rank instead gets one failure
-message (``failed`` phrases it from "rank r: why" lines) and raises RankFailedError with it;
+message (``failed`` phrases it from "rank r: why" lines) and raises RankFailedError with it
+and the failing ranks' error kinds (its ``kinds``: class names, which a caller tells apart);
 a rank that died or hung (the group's deadlines) is phrased the same way on every live rank;
 a rank that brought its own error gets None back and raises that error itself; a coordinator
 whose ``decide`` raised raises that. So a step never leaves a rank waiting and never lets one
@@ -43,7 +44,8 @@ def coordinate(group: Group, mine: bytes | None, error: BaseException | None, de
     RankFailedError when another rank failed, or the coordinator's own error from ``decide``."""
     if group.size == 1:
         return None if error is not None else decide([_payload(mine)])[0]
-    sent = _ERROR + describe(error).encode() if error is not None else _OK + _payload(mine)
+    sent = (_ERROR + type(error).__name__.encode() + b"\n" + describe(error).encode()
+            if error is not None else _OK + _payload(mine))
     try:
         gathered = group.gather(sent)
         answers: list[bytes] | None = None
@@ -62,7 +64,9 @@ def coordinate(group: Group, mine: bytes | None, error: BaseException | None, de
     if error is not None:
         return None
     if answer[:1] == _FAILED:
-        raise RankFailedError(answer[1:].decode(errors="replace"))
+        kinds, _, message = answer[1:].partition(b"\n")
+        raise RankFailedError(message.decode(errors="replace"),
+                              kinds=tuple(kinds.decode(errors="replace").split(",")))
     return answer[1:]
 
 
@@ -75,16 +79,23 @@ def _payload(mine: bytes | None) -> bytes:
 def _decide_all(gathered: list[bytes], decide: Decide,
                 failed: Phrase) -> tuple[list[bytes], BaseException | None]:
     """On the coordinator: every rank's answer, and the error ``decide`` raised (if any)."""
-    failures = [f"rank {rank}: {message[1:].decode(errors='replace')}"
+    reported = [(rank, *message[1:].partition(b"\n")[::2])
                 for rank, message in enumerate(gathered) if message[:1] != _OK]
-    if failures:
-        return [_FAILED + failed(failures).encode()] * len(gathered), None
+    if reported:
+        why = failed([f"rank {rank}: {line.decode(errors='replace')}"
+                      for rank, _, line in reported])
+        return [_failure([kind for _, kind, _ in reported], why)] * len(gathered), None
     try:
         answers = decide([message[1:] for message in gathered])
     except BaseException as exc:  # noqa: BLE001 - raised by the caller once the peers know
         why = failed([f"the coordinator (rank 0): {describe(exc)}"])
-        return [_FAILED + why.encode()] * len(gathered), exc
+        return [_failure([type(exc).__name__.encode()], why)] * len(gathered), exc
     return [_OK + answer for answer in answers], None
+
+
+def _failure(kinds: list[bytes], why: str) -> bytes:
+    """The failed step's answer: the failing ranks' error kinds, a line break, the message."""
+    return _FAILED + b",".join(kinds) + b"\n" + why.encode()
 
 
 def listed(failures: list[str], limit: int = 8) -> str:
