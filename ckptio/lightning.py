@@ -91,19 +91,19 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         checksums on load (default Options.verify, on). take_over: save into a directory whose
         run lease another job holds (its processes linger after it ended), with a warning; by
         default a second job saving into one directory is refused at its first save, naming
-        the first (ckptio/lightning_paths.py). shared_loads (default False: each rank loads
-        alone): with torch.distributed initialised on more than one rank, ``load_checkpoint``
-        is a collective of every rank (Lightning's resume, validate/test with ckpt_path and
+        the first (ckptio/lightning_paths.py). shared_loads (default True): with
+        torch.distributed initialised on more than one rank, ``load_checkpoint`` is a
+        collective of every rank (Lightning's resume, validate/test with ckpt_path and
         Fabric.load call it on each): each byte read from storage by one rank, sent to the
-        others. A call on some ranks only ends in a RankFailedError saying so within
-        Options.rank_timeout_s; after a save in the same process (on rank 0 alone) the ranks
-        may read alone after that timeout, warned of (not the default for that reason).
+        others. A program that calls it on some ranks only (its own call on rank 0) passes
+        shared_loads=False, each rank then loading alone; such a call with it on ends in a
+        RankFailedError saying so within Options.rank_timeout_s.
     ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
                  verify: bool | None = None, take_over: bool = False,
-                 shared_loads: bool = False) -> None:
+                 shared_loads: bool = True) -> None:
         super().__init__()
         self.options = options if options is not None else Options.from_env()
         self.shared_loads = shared_loads
@@ -209,7 +209,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
     def _own_group(self) -> Any:
         """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
         while a ckptio save over the default group is a collective of every rank: the save runs
-        over a group of this rank alone (distributed/dist.py, rank_alone_group)."""
+        on this rank alone (distributed/dist.py, rank_alone_group)."""
         return rank_alone_group()
 
 
@@ -228,7 +228,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
                  verify: bool | None = None, take_over: bool = False,
-                 shared_loads: bool = False) -> None:
+                 shared_loads: bool = True) -> None:
         super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over,
                          shared_loads=shared_loads)
         self._handle: SaveHandle | None = None

@@ -26,7 +26,9 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     """Save DTensors on these ranks, load them back resharded, save and restore through a
     CheckpointManager kept referenced (a script's global), mark a one-rank group as the memory
     tier's redundancy does, save over rank_alone_group(), then destroy_process_group: ->
-    whether the WORLD group and the one-rank groups are gone (as they are without ckptio)."""
+    whether the WORLD group and the one-rank group are gone (as they are without ckptio), and
+    whether the save alone made no torch group (one made on some ranks only would shift the
+    names of the groups made after it there)."""
     from ckptio.distributed.dist import mark_piece, rank_alone_group
 
     ref = weakref.ref(dist.group.WORLD)
@@ -35,7 +37,7 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     piece_ref = weakref.ref(single)
     alone = rank_alone_group()  # a per-rank file's group (the DeepSpeed and Lightning plugins)
     ckptio.save({"w": torch.ones(3)}, os.path.join(path, f"alone-{rank}"), process_group=alone)
-    alone_ref = weakref.ref(alone)
+    no_group_made = alone is not None and not isinstance(alone, dist.ProcessGroup)
     del single, subgroups, alone
     cases.save_layout(rank, world, os.path.join(path, "ck"), "shard0")
     cases.load_layout(rank, world, os.path.join(path, "ck"), "shard1")
@@ -46,7 +48,7 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     mgr.close()
     dist.destroy_process_group()
     gc.collect()
-    freed = [ref() is None, piece_ref() is None, alone_ref() is None]
+    freed = [ref() is None, piece_ref() is None, no_group_made]
     del mgr
     return freed
 

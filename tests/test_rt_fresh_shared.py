@@ -73,10 +73,12 @@ def _load(rank: int, world: int, path: str, how: str = "", victim: int = 1,
         group = None
     if how == "other" and rank == 1:
         path += "-other"
-    if how == "saved_alone" and rank == 0:  # as Lightning's saves on rank 0: a group of its own
+    if how == "saved_alone" and rank == 0:  # as Lightning's saves on rank 0
         from ckptio.distributed.dist import rank_alone_group
 
         ckptio.save({"x": torch.ones(3)}, path + f"-{rank}", process_group=rank_alone_group())
+    if how == "user_group" and rank == 0:  # a program's own group, made on rank 0 only
+        torch.distributed.new_group([0], use_local_synchronization=True)
     if how == "die" and rank == victim:
         _die_sending(mark)
     options = _options(broadcast_replicated=how != "off")
@@ -118,19 +120,35 @@ def test_a_fresh_load_over_a_group_reads_each_byte_once_in_all(tmp_path: Path) -
     assert 0.9 * data <= sum(read) <= 1.25 * data, (read, data)
 
 
-@pytest.mark.xfail(strict=True, reason="the world's wire group made by every rank (the fix) "
-                   "let a survivor of a rank killed mid-load wait 60 s in new_group (CI); "
-                   "reverted: a rank with a group of its own reads alone after rank_timeout_s")
-def test_a_rank_that_made_a_group_of_its_own_still_shares_the_reads(tmp_path: Path) -> None:
+def test_a_rank_that_saved_alone_first_still_shares_the_reads(tmp_path: Path) -> None:
     """Rank 0 saved alone first (rank_alone_group, as Lightning's plugin does on every save):
-    the wire group is still made alike on both ranks (before: its name, a hash counting the
-    groups each process holds, differed; each rank waited rank_timeout_s for the other's,
-    then read from storage what it was to receive, with a warning)."""
+    the wire group is still made alike on both ranks (before: that save made a torch group of
+    rank 0 alone, and the wire group's name, a hash counting the groups each process holds,
+    then differed; each rank waited rank_timeout_s for the other's, then read from storage
+    what it was to receive, with a warning)."""
     path = _saved(tmp_path)
     data = _data_nbytes(path)
     got = run_ranks(2, _load, path, "saved_alone")
     assert all(g["equal"] and g["error"] is None and not g["warnings"] for g in got), got
     assert sum(g["read"] for g in got) <= 1.25 * data, ([g["read"] for g in got], data)
+
+
+def test_a_group_the_program_made_on_one_rank_costs_a_warning_not_a_wrong_load(
+        tmp_path: Path) -> None:
+    """The program made a torch group on rank 0 alone (torch names the groups made after it
+    by how many each process holds, so the load's wire group is named unlike on rank 1): the
+    receiving rank waits Options.rank_timeout_s for the sender, reads from storage what it was
+    to receive, warned, naming the sender; both hold the saved state."""
+    path = _saved(tmp_path)
+    started = time.time()
+    got = run_ranks(2, _load, path, "user_group")
+    assert all(g["equal"] and g["error"] is None for g in got), got
+    receiver = [r for r, g in enumerate(got) if g["warnings"]]
+    assert len(receiver) == 1, got
+    said = got[receiver[0]]["warnings"]
+    assert len(said) == 1 and "could not exchange replicated tensors" in said[0], said
+    assert f"with rank {1 - receiver[0]} (" in said[0], said
+    assert max(g["ended"] for g in got) - started < DEADLINE_S + 60, got
 
 
 def test_without_a_process_group_a_fresh_load_stays_alone(tmp_path: Path) -> None:
@@ -339,9 +357,6 @@ def _lightning_resume(rank: int, world: int, root: str, shared: bool = True) -> 
             "bitwise": _equal(got, want)}
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's shared_loads is off by default, and after "
-                   "a save in the process (a group on rank 0 alone) the ranks read alone: the "
-                   "wire-group fix was reverted (a killed rank's survivor waited 60 s in CI)")
 def test_a_lightning_ddp_resume_reads_the_checkpoint_once_in_all(tmp_path: Path) -> None:
     """Lightning calls load_checkpoint on every rank at a resume: read once in all (before:
     once per rank), and the resumed run is bitwise the uninterrupted one."""
@@ -362,7 +377,7 @@ def _lightning_load_on_rank_0(rank: int, world: int, path: str) -> dict[str, Any
     if rank == 0:
         started = time.monotonic()
         try:
-            ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(path)
+            ckptio.lightning.CheckpointIO(_options()).load_checkpoint(path)
             error = None
         except ckptio.CkptError as exc:
             error = (type(exc).__name__, str(exc))
@@ -372,13 +387,10 @@ def _lightning_load_on_rank_0(rank: int, world: int, path: str) -> dict[str, Any
                "alone": _equal(alone.load_checkpoint(path), _state())}
     torch.distributed.barrier()
     count = _reads_by_file()
-    both = _equal(ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(path), _state())
+    both = _equal(ckptio.lightning.CheckpointIO(_options()).load_checkpoint(path), _state())
     return {**(out or {}), "both": both, "read": sum(count.values())}
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's shared_loads is off by default, and after "
-                   "a save in the process (a group on rank 0 alone) the ranks read alone: the "
-                   "wire-group fix was reverted (a killed rank's survivor waited 60 s in CI)")
 def test_a_lightning_load_on_one_rank_only_ends_in_an_error_naming_the_switch(
         tmp_path: Path) -> None:
     """A call on rank 0 alone (a user's own): a RankFailedError naming rank 1 and
@@ -432,7 +444,7 @@ def _lightning_load_last(rank: int, world: int, root: str) -> dict[str, Any]:
     count = _reads_by_file()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ckptio.lightning.CheckpointIO(_options(), shared_loads=True).load_checkpoint(
+        got = ckptio.lightning.CheckpointIO(_options()).load_checkpoint(
             os.path.join(root, "last.ckpt"))
     return {"equal": _equal(got, _state()), "read": count.get("epoch=1.ckpt", 0),
             "warned": any("never committed" in str(w.message) for w in caught)}

@@ -29,7 +29,7 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
+__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
            "rank_alone_group", "silent_ranks", "store_of"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
@@ -167,7 +167,10 @@ def store_of(group: Any) -> Any:
 
 def current_group(process_group: Any = None) -> Any | None:
     """The torch process group a save or load runs over: the one given, else the default one
-    when torch.distributed is initialised with more than one rank; None: a single process."""
+    when torch.distributed is initialised with more than one rank; None: a single process (or
+    ``rank_alone_group()``'s mark)."""
+    if process_group is ALONE:
+        return None
     if process_group is not None:
         return process_group
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -176,25 +179,28 @@ def current_group(process_group: Any = None) -> Any | None:
     return group if torch.distributed.get_world_size(group) > 1 else None
 
 
-# weak references to [the default group, this rank's group of itself] once made: holding
-# either would keep its gloo threads alive past destroy_process_group (tests/test_exit.py)
-_alone: list[weakref.ref[Any]] = []
+class _Alone:
+    """The mark of a save or load that this rank makes by itself (``rank_alone_group``)."""
+
+    def __repr__(self) -> str:
+        return "ckptio.distributed.dist.ALONE"
+
+
+ALONE = _Alone()
 
 
 def rank_alone_group() -> Any | None:
-    """A process group of this rank alone, for a save or load that one rank makes by itself
-    (a framework that writes per-rank files, or saves on rank 0 only), while a ckptio call
-    over the default group is a collective of every rank. Made by this rank alone
-    (``use_local_synchronization``), once per default group; None in one process."""
+    """The ``process_group=`` of a save or load that one rank makes by itself (a framework that
+    writes per-rank files, or saves on rank 0 only), while a ckptio call over the default group
+    is a collective of every rank: ``ALONE``, which ckptio's calls take as one process; None in
+    one process. Not a torch process group: one made on some ranks only (as a group of one is)
+    would shift the names torch gives the groups made after it on those ranks, and a later
+    group of several ranks (a shared load's wire group) would then be named unlike on the
+    others."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    world = dist.group.WORLD
-    mine = _alone[1]() if _alone and _alone[0]() is world else None
-    if mine is None:  # torch's registry holds the group until destroy_process_group
-        mine = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        _alone[:] = [weakref.ref(world), weakref.ref(mine)]
-    return mine
+    return ALONE
 
 
 def silent_ranks(global_ranks: list[int], group: Any) -> list[int]:
