@@ -38,10 +38,9 @@ from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
 from ckptio.deepspeed_reads import arrived, kept, load_group, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
-from ckptio.dir_leases import DirectoryLeases
+from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
 from ckptio.errors import (
-    CheckpointLockedError,
     CkptError,
     RankFailedError,
     UnsupportedStateError,
@@ -141,18 +140,8 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def _lease(self, info: CheckpointCommitInfo) -> None:
         """Rank 0 takes (or checks) the run lease of ``info.save_dir``; every rank raises its
         refusal (CheckpointLockedError), before any rank writes a file of the tag."""
-        error: CheckpointLockedError | None = None
-        if self._ranks is None or self._ranks.rank == 0:
-            try:
-                self._leases.take(os.fspath(info.save_dir), f"tag {info.tag!r}")
-            except CheckpointLockedError as exc:
-                error = exc
-        if self._ranks is not None:
-            said = self._ranks.all_gather(b"" if error is None else str(error).encode())
-            if error is None and said[0]:
-                error = CheckpointLockedError(f"rank 0: {said[0].decode(errors='replace')}")
-        if error is not None:
-            raise error
+        taken_on_rank_0(self._leases, self._ranks, os.fspath(info.save_dir),
+                        f"tag {info.tag!r}")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """DeepSpeed's rank 0 makes save_dir before ``create``: a URL is left to ``create``'s

@@ -12,7 +12,9 @@ save there is refused, naming the one that took over. A directory of an object s
 leased here (its saves' own locks apply).
 
 Call order: the plugin makes one (its job's words for the refusal and the fix), calls
-``take(directory, what)`` before each save writes, and ``release()`` at its teardown.
+``take(directory, what)`` before each save writes (``taken_on_rank_0`` where every rank saves
+together: rank 0 holds the lease, every rank raises its refusal), and ``release()`` at its
+teardown.
 
 Owns: which directories a plugin holds and the taken-over refusal's wording. Does not own: the
 lease file and its lock (runlease.py), the plugins (lightning.py, deepspeed_engine.py).
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import os
 
+from ckptio.distributed.dist import Group
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage.local import runlease
 from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["DirectoryLeases"]
+__all__ = ["DirectoryLeases", "taken_on_rank_0"]
 
 
 class DirectoryLeases:
@@ -65,3 +68,22 @@ class DirectoryLeases:
         held, self._held = self._held, {}
         for lease in held.values():
             lease.release()
+
+
+def taken_on_rank_0(leases: DirectoryLeases, ranks: Group | None, directory: str,
+                    what: str) -> None:
+    """Rank 0 of ``ranks`` (None: this process alone) takes (or checks) the lease of
+    ``directory`` before the ranks save ``what`` there together; every rank raises its refusal
+    (CheckpointLockedError), before any rank writes."""
+    error: CheckpointLockedError | None = None
+    if ranks is None or ranks.rank == 0:
+        try:
+            leases.take(directory, what)
+        except CheckpointLockedError as exc:
+            error = exc
+    if ranks is not None:
+        said = ranks.all_gather(b"" if error is None else str(error).encode())
+        if error is None and said[0]:
+            error = CheckpointLockedError(f"rank 0: {said[0].decode(errors='replace')}")
+    if error is not None:
+        raise error

@@ -1,17 +1,21 @@
 """The common state of a Megatron checkpoint the ckptio strategies write: ``common.pt`` (what
 Megatron's ``load_common_state_dict`` reads) and its digest in ckptio's manifest, so a load
-refuses a ``common.pt`` of another save; and where ckptio's checkpoint lies in Megatron's
-directory, and the error for a directory that holds none.
+refuses a ``common.pt`` of another save; where ckptio's checkpoint lies in Megatron's
+directory, and the error for a directory that holds none; and the run lease of a training
+job's save directory (``leased``: one job saving there at a time, dir_leases.py).
 
-Owns: ``common.pt``'s bytes, its atomic replacement and its digest check. Does not own: the
-strategies (megatron_strategy.py) or what the common state holds (Megatron's).
+Owns: ``common.pt``'s bytes, its atomic replacement and its digest check; the process's
+leases. Does not own: the strategies (megatron_strategy.py) or what the common state holds
+(Megatron's).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,17 +24,23 @@ import xxhash
 
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 
+from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
+from ckptio.distributed.dist import current_group, over_torch
 from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptio.format.types import Manifest
+from ckptio.options import Options
 
 __all__ = ["BACKEND", "NotCkptioCheckpointError", "check_common", "ckptio_dir", "common_bytes",
-           "data_path", "digest_meta", "write_common", "written_common_meta"]
+           "data_path", "digest_meta", "leased", "write_common", "written_common_meta"]
 
 BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
 
 _DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
 _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _DIGEST = "megatron_common_xxh3"
+_ITERATION = re.compile(r"iter_\d+")  # Megatron's training saves: <--save>/iter_0000100
+_LEASES = DirectoryLeases("this Megatron job", "pass CkptioSaveShardedStrategy(take_over=True)")
+atexit.register(_LEASES.release)  # held until the process ends (its lock goes with it anyway)
 
 
 class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
@@ -50,8 +60,11 @@ def common_bytes(common: Any) -> bytes:
     return buffer.getvalue()
 
 
-def write_common(checkpoint_dir: str, data: bytes) -> None:
-    """``common.pt`` replaced atomically (written beside it, synced, renamed)."""
+def write_common(checkpoint_dir: str, data: bytes | None) -> None:
+    """``common.pt`` replaced atomically (written beside it, synced, renamed); None: none to
+    write (Megatron wrote it itself, or another rank does)."""
+    if data is None:
+        return
     target = os.path.join(checkpoint_dir, _COMMON)
     partial = f"{target}.partial-{os.getpid()}"
     with open(partial, "wb") as f:
@@ -120,3 +133,19 @@ def ckptio_dir(checkpoint_dir: Any) -> Iterator[None]:
             "ckptio strategy wrote; load it without sharded_strategy= (Megatron's own "
             "strategy for that backend), or convert it by saving it again with "
             "CkptioSaveShardedStrategy") from exc
+
+
+def leased(checkpoint_dir: str, take_over: bool, options: Options | None) -> None:
+    """Before a save into Megatron's ``<save>/iter_NNNNNNN``: the run lease of ``<save>``,
+    taken by rank 0 at the job's first save there and held until the process ends; another
+    job's save there is refused on every rank (CheckpointLockedError naming this job) before
+    any rank writes, unless made with ``take_over``. A directory of another name (a save of the
+    program's own) is not leased."""
+    name = os.path.basename(os.path.normpath(checkpoint_dir))
+    if not _ITERATION.fullmatch(name):
+        return
+    _LEASES.take_over = _LEASES.take_over or take_over
+    group = current_group()
+    ranks = None if group is None else over_torch(group, options)
+    taken_on_rank_0(_LEASES, ranks, os.path.dirname(os.path.abspath(checkpoint_dir)),
+                    f"iteration {name}")

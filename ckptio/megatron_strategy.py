@@ -53,6 +53,7 @@ from ckptio.megatron_common import (
     common_bytes,
     data_path,
     digest_meta,
+    leased,
     write_common,
     written_common_meta,
 )
@@ -161,13 +162,14 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
     trainer's ``checkpointing_context['save_strategy']``). ``allow_pickle``: store
     ShardedObjects that are not JSON / tensors / bytes pickled (their load needs it too).
     ``options``: ckptio.Options (default: the process's shared Checkpointer, as ckptio.save
-    uses, so a strategy made per save reuses its staging pool)."""
+    uses, so a strategy made per save reuses its staging pool). A save into a training run's
+    ``<save>/iter_NNNNNNN`` takes ``<save>``'s run lease (megatron_common.leased): a second
+    job saving there is refused on every rank; ``take_over=True`` goes on, warned."""
 
     def __init__(self, *, allow_pickle: bool = False, options: ckptio.Options | None = None,
-                 backend: str = BACKEND, version: int = 1) -> None:
+                 backend: str = BACKEND, version: int = 1, take_over: bool = False) -> None:
         super().__init__(backend=backend, version=version)
-        self.allow_pickle = allow_pickle
-        self.options = options
+        self.allow_pickle, self.options, self.take_over = allow_pickle, options, take_over
 
     def _prepare(self, sharded_state_dict: Any, checkpoint_dir: Any
                  ) -> tuple[dict[str, Any], bytes | None, dict[str, Any] | None]:
@@ -183,16 +185,18 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Every rank: durable and committed when it returns."""
+        leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
         checkpointer(self.options).save(state, data_path(checkpoint_dir),
                                         allow_pickle=self.allow_pickle, metadata=meta)
-        _finish(os.fspath(checkpoint_dir), common)
+        write_common(os.fspath(checkpoint_dir), common)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
                    async_strategy: str = "nvrx") -> AsyncRequest:
         """Every rank: returns once the tensors are staged (ckptio writes them in its own
         threads, not in a process of Megatron's); the request's finalize step waits for the
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
+        leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
         handle = checkpointer(self.options).async_save(
             state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
@@ -200,14 +204,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
         def finalize() -> None:
             handle.wait()
-            _finish(target, common)
+            write_common(target, common)
 
         return AsyncRequest(None, (), [finalize])
-
-
-def _finish(checkpoint_dir: str, common: bytes | None) -> None:
-    if common is not None:
-        write_common(checkpoint_dir, common)
 
 
 class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
