@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +84,12 @@ def _second_job(rank: int, world: int, save: str, take_over: bool) -> dict[str, 
     return out
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout
-                                                         else ""), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    return line[0] if line else ""
+def _saved_first(first: subprocess.Popen[str], save: Path) -> None:
+    """Once the first job has saved its iteration 1 (it then waits for the test's flag)."""
+    deadline = time.monotonic() + 120
+    while not (save / "iter_0000001" / "metadata.json").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.poll()
+        time.sleep(0.05)
 
 
 def test_a_second_megatron_job_on_one_save_dir_is_refused_on_every_rank(tmp_path: Path) -> None:
@@ -99,7 +98,7 @@ def test_a_second_megatron_job_on_one_save_dir_is_refused_on_every_rank(tmp_path
     first = subprocess.Popen([sys.executable, "-c", _FIRST_JOB, str(save), str(flag)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
-        assert _read_line(first, 120).strip() == "SAVED 1"
+        _saved_first(first, save)
         got = run_ranks(2, _second_job, str(save), False, timeout_s=240)
         for rank, g in enumerate(got):
             kind, said = g["error"]
@@ -129,7 +128,7 @@ def test_a_megatron_job_taking_the_save_dir_over_saves_warned(tmp_path: Path) ->
                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        assert _read_line(first, 120).strip() == "SAVED 1"
+        _saved_first(first, save)
         got = run_ranks(2, _second_job, str(save), True, timeout_s=240)
         assert [g["error"] for g in got] == [None, None], got
     finally:
