@@ -43,7 +43,7 @@ _PHASES = (  # (label, module, attribute, "enter" | "exit" | "both")
     ("read-plan step", "ckptio.distributed.readshare", "SharedReads._plan", "both"),
     ("reads", "ckptio.loading.read", "read_regions", "both"),
     ("read-done step", "ckptio.distributed.readshare", "SharedReads._read_done", "both"),
-    ("exchange", "ckptio.distributed.readshare", "_Wire.exchange", "both"),
+    ("exchange", "ckptio.distributed.wiregroup", "Wire.exchange", "both"),
     ("final step", "ckptio.distributed.loadsteps", "agree_loaded", "both"),
 )
 
