@@ -29,8 +29,8 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
-           "rank_alone_group", "silent_ranks", "store_of"]
+__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch",
+           "piece_of", "rank_alone_group", "silent_ranks", "store_of"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
