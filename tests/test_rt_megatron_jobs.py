@@ -9,6 +9,7 @@ directory of another name (a program's own) is not leased.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -62,7 +63,12 @@ def _state(rank: int, v: float) -> dict[str, Any]:
 
 def _second_job(rank: int, world: int, save: str, take_over: bool) -> dict[str, Any]:
     """Both ranks save iteration 5 into ``save``, then a directory of the program's own beside
-    it -> the error each rank met (or None), and whether the own save went through."""
+    it -> the error each rank met (or None), ckptio's warnings, and whether the own save went
+    through."""
+    said: list[str] = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptio").addHandler(heard)
     where = Path(save) / "iter_0000005"
     if rank == 0:
         where.mkdir(parents=True, exist_ok=True)
@@ -81,6 +87,7 @@ def _second_job(rank: int, world: int, save: str, take_over: bool) -> dict[str, 
     mdc.save(_state(rank, 7.0), str(own), sharded_strategy=CkptioSaveShardedStrategy())
     got = mdc.load(_state(rank, 0.0), str(own), sharded_strategy=CkptioLoadShardedStrategy())
     out["own"] = torch.equal(got["a"], torch.arange(2.0) + 2 * rank + 7.0)
+    out["warned"] = said
     return out
 
 
@@ -131,6 +138,10 @@ def test_a_megatron_job_taking_the_save_dir_over_saves_warned(tmp_path: Path) ->
         _saved_first(first, save)
         got = run_ranks(2, _second_job, str(save), True, timeout_s=240)
         assert [g["error"] for g in got] == [None, None], got
+        # the taker (rank 0 holds the lease) is told whose directory it took
+        taking = [w for w in got[0]["warned"] if "taking over the run directory" in w]
+        assert len(taking) == 1 and f"pid {first.pid}" in taking[0], got[0]["warned"]
+        assert not any("taking over" in w for w in got[1]["warned"]), got[1]["warned"]
     finally:
         flag.touch()
         out, err = first.communicate(timeout=120)
