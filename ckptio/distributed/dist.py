@@ -29,8 +29,8 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch",
-           "piece_of", "rank_alone_group", "silent_ranks", "store_of"]
+__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "job_ranks", "mark_piece",
+           "over_torch", "piece_of", "rank_alone_group", "silent_ranks", "store_of"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
@@ -58,6 +58,7 @@ def piece_of(group: Any) -> tuple[int, int] | None:
 class Group(Protocol):
     rank: int
     size: int
+    members: tuple[int, ...]  # the global rank of each rank
 
     def gather(self, data: bytes) -> list[bytes] | None:
         """Every rank's bytes on the coordinator (in rank order); None elsewhere."""
@@ -89,6 +90,7 @@ class Solo:
 
     rank = 0
     size = 1
+    members: tuple[int, ...] = (0,)
 
     def __init__(self) -> None:
         self._published: dict[str, bytes] = {}
@@ -154,6 +156,24 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
     liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s)
     return StoreGroup(store_of(group), alive_store, members, dist.get_rank(group),
                       f"ckptio/{ranks}/{instance}", deadlines)
+
+
+# [the default group, weakly (destroy_process_group frees it); its ranks as job_ranks made them]
+_job: list[Any] = []
+
+
+def job_ranks(options: Options | None = None) -> StoreGroup | None:
+    """The ranks of the job's default group for the plugins' steps of every rank (a run
+    lease, a tag check), made at the first call and kept, with that call's deadlines, while
+    the group lives (one made per call left its counters in the job's store each time); None
+    in one process."""
+    group = current_group()
+    if group is None:
+        return None
+    if not (_job and _job[0]() is group):
+        _job[:] = [weakref.ref(group), over_torch(group, options)]
+    ranks: StoreGroup = _job[1]
+    return ranks
 
 
 def store_of(group: Any) -> Any:
