@@ -205,3 +205,39 @@ def test_a_damaged_send_over_a_group_of_some_ranks_names_the_sender_by_its_globa
     sender = 3 - receiver
     assert f"received from rank {sender - 1} (global rank {sender})" in got[receiver][1], got
     assert f"failed on rank {receiver - 1} (global rank {receiver})" in got[sender][1], got
+
+
+def _save_into_a_broken_lease(rank: int, world: int, save_dir: str) -> tuple[str, str, float]:
+    """A ZeRO 1 engine saves into ``save_dir``, where a directory stands at the run lease's
+    path -> the error's class and message on this rank, and the seconds it took."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import deepspeed_cases as cases
+
+    import ckptio.deepspeed_engine
+
+    engine = cases.engine_for(1, world)
+    ckptio.deepspeed_engine.use(engine, options=dataclasses.replace(_options(),
+                                                                    step_timeout_s=10.0))
+    started = time.monotonic()
+    said = ("none", "")
+    try:
+        engine.save_checkpoint(save_dir)
+    except ckptio.CkptError as exc:
+        said = (type(exc).__name__, str(exc))
+    took = time.monotonic() - started
+    torch.distributed.barrier()
+    engine.destroy()
+    return said[0], said[1], took
+
+
+def test_a_lease_that_cannot_be_opened_is_raised_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 0 could not open the run lease of save_dir (a directory stands at its path): it
+    raised StorageIOError while rank 1 waited for rank 0's word for 2 x step_timeout_s, then
+    raised RankFailedError calling rank 0 stuck. Now every rank raises the error at once."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (its extra has it)")
+    from ckptio.storage.local.runlease import LEASE_NAME
+
+    (tmp_path / "ds" / LEASE_NAME).mkdir(parents=True)
+    got = run_ranks(2, _save_into_a_broken_lease, str(tmp_path / "ds"), timeout_s=120)
+    assert [g[0] for g in got] == ["StorageIOError"] * 2, got
+    assert all(LEASE_NAME in g[1] and g[2] < 10.0 for g in got), got
