@@ -215,8 +215,7 @@ def rank_alone_group() -> Any | None:
     is a collective of every rank: ``ALONE``, which ckptio's calls take as one process; None in
     one process. Not a torch process group: one made on some ranks only (as a group of one is)
     would shift the names torch gives the groups made after it on those ranks, and a later
-    group of several ranks (a shared load's wire group) would then be named unlike on the
-    others."""
+    group of several ranks (the program's own) would then be named unlike on the others."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
