@@ -26,7 +26,7 @@ from typing import Any
 from ckptio.api import Checkpointer
 from ckptio.deepspeed_tags import missing_rank_file, saves
 from ckptio.distributed.arrival import arrive
-from ckptio.distributed.dist import current_group, over_torch, rank_alone_group
+from ckptio.distributed.dist import current_group, job_ranks, rank_alone_group
 from ckptio.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -172,7 +172,7 @@ def _whole_tag(engine: Any, folder: str) -> None:
         missed = getattr(ours, "missed", None)
         if callable(missed):
             missed(late)
-    ranks = over_torch(group, options) if together else None
+    ranks = job_ranks(options) if together else None
     error: IncompleteCheckpointError | None = None
     if ranks is None or ranks.rank == 0:
         try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 
 from ckptio.distributed.dist import Group
-from ckptio.errors import CheckpointLockedError
+from ckptio.errors import CheckpointLockedError, CkptError, StorageIOError
 from ckptio.storage.local import runlease
 from ckptio.storage.select import checkpoint_path, scheme_of
 
@@ -74,16 +74,20 @@ def taken_on_rank_0(leases: DirectoryLeases, ranks: Group | None, directory: str
                     what: str) -> None:
     """Rank 0 of ``ranks`` (None: this process alone) takes (or checks) the lease of
     ``directory`` before the ranks save ``what`` there together; every rank raises its refusal
-    (CheckpointLockedError), before any rank writes."""
-    error: CheckpointLockedError | None = None
+    (CheckpointLockedError), or its error taking it (StorageIOError: the lease file cannot be
+    opened or locked), before any rank writes."""
+    error: CkptError | None = None
     if ranks is None or ranks.rank == 0:
         try:
             leases.take(directory, what)
-        except CheckpointLockedError as exc:
+        except (CheckpointLockedError, StorageIOError) as exc:
             error = exc
     if ranks is not None:
-        said = ranks.all_gather(b"" if error is None else str(error).encode())
+        said = ranks.all_gather(b"" if error is None else
+                                f"{type(error).__name__}\n{error}".encode())
         if error is None and said[0]:
-            error = CheckpointLockedError(f"rank 0: {said[0].decode(errors='replace')}")
+            kind, _, message = said[0].decode(errors="replace").partition("\n")
+            error = (StorageIOError if kind == StorageIOError.__name__ else
+                     CheckpointLockedError)(f"rank 0: {message}")
     if error is not None:
         raise error

@@ -16,7 +16,6 @@ import contextlib
 import io
 import os
 import re
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ import xxhash
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
-from ckptio.distributed.dist import Group, current_group, over_torch
+from ckptio.distributed.dist import job_ranks
 from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptio.format.types import Manifest
 from ckptio.options import Options
@@ -42,8 +41,6 @@ _DIGEST = "megatron_common_xxh3"
 _ITERATION = re.compile(r"iter_\d+")  # Megatron's training saves: <--save>/iter_0000100
 _LEASES = DirectoryLeases("this Megatron job", "pass CkptioSaveShardedStrategy(take_over=True)")
 atexit.register(_LEASES.release)  # held until the process ends (its lock goes with it anyway)
-# [the default group, weakly (destroy_process_group frees it); the ranks the lease step runs over]
-_RANKS: list[Any] = []
 
 
 class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
@@ -148,17 +145,5 @@ def leased(checkpoint_dir: str, take_over: bool, options: Options | None) -> Non
     if not _ITERATION.fullmatch(name):
         return
     _LEASES.take_over = _LEASES.take_over or take_over
-    taken_on_rank_0(_LEASES, _job_ranks(options), os.path.dirname(os.path.abspath(checkpoint_dir)),
+    taken_on_rank_0(_LEASES, job_ranks(options), os.path.dirname(os.path.abspath(checkpoint_dir)),
                     f"iteration {name}")
-
-
-def _job_ranks(options: Options | None) -> Group | None:
-    """The ranks of the job's default group, made at its first leased save and kept (with that
-    save's deadlines) while the group lives; None in one process."""
-    group = current_group()
-    if group is None:
-        return None
-    if not (_RANKS and _RANKS[0]() is group):
-        _RANKS[:] = [weakref.ref(group), over_torch(group, options)]
-    ranks: Group = _RANKS[1]
-    return ranks

@@ -148,7 +148,10 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                                    frozenset({"sendreads._send_buffer"})),
     "tests.test_rt_mem": (_WHITE + "the memory tier's slots, made behind a restore: waited "
                           "for before they are counted", frozenset({"mgr._levels"})),
-    "tests.test_rt_readonce": (_WHITE + "a shared read's send buffer (a send damaged)",
+    "tests.test_rt_readonce": (_WHITE + "a shared read's send buffer (a send damaged); its "
+                               "posting (a rank frozen once posted)",
+                               frozenset({"sendreads._send_buffer", "sendreads._post"})),
+    "tests.test_rt_review22": (_WHITE + "a shared read's send buffer (a send damaged)",
                                frozenset({"sendreads._send_buffer"})),
     "tests.test_s3client": (_WHITE + "the client cache", frozenset({"s3client._clients"})),
     "tests.test_stage_copy_in": (_WHITE + "the staging pool and a tensor's version counter",

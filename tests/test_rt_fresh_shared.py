@@ -133,22 +133,20 @@ def test_a_rank_that_saved_alone_first_still_shares_the_reads(tmp_path: Path) ->
     assert sum(g["read"] for g in got) <= 1.25 * data, ([g["read"] for g in got], data)
 
 
-def test_a_group_the_program_made_on_one_rank_costs_a_warning_not_a_wrong_load(
+def test_a_group_the_program_made_on_one_rank_does_not_stop_the_sharing(
         tmp_path: Path) -> None:
-    """The program made a torch group on rank 0 alone (torch names the groups made after it
-    by how many each process holds, so the load's wire group is named unlike on rank 1): the
-    receiving rank waits Options.rank_timeout_s for the sender, reads from storage what it was
-    to receive, warned, naming the sender; both hold the saved state."""
+    """The program made a torch group on rank 0 alone (torch names the groups it registers by
+    how many each process holds): the load's wire group, kept out of torch's registry
+    (distributed/wiregroup.py), is made alike on both ranks all the same: no warning, no wait,
+    read once in all (before: the receiver waited Options.rank_timeout_s for the sender and
+    read from storage what it was to receive, warned)."""
     path = _saved(tmp_path)
+    data = _data_nbytes(path)
     started = time.time()
     got = run_ranks(2, _load, path, "user_group")
-    assert all(g["equal"] and g["error"] is None for g in got), got
-    receiver = [r for r, g in enumerate(got) if g["warnings"]]
-    assert len(receiver) == 1, got
-    said = got[receiver[0]]["warnings"]
-    assert len(said) == 1 and "could not exchange replicated tensors" in said[0], said
-    assert f"with rank {1 - receiver[0]} (" in said[0], said
-    assert max(g["ended"] for g in got) - started < DEADLINE_S + 60, got
+    assert all(g["equal"] and g["error"] is None and not g["warnings"] for g in got), got
+    assert sum(g["read"] for g in got) <= 1.25 * data, ([g["read"] for g in got], data)
+    assert max(g["ended"] for g in got) - started < NOT_HUNG_S, got
 
 
 def test_without_a_process_group_a_fresh_load_stays_alone(tmp_path: Path) -> None:

@@ -194,16 +194,16 @@ def load_on_one_host(rank: int, world: int, path: str, budget: int,
 def _stop_after_posting() -> None:
     """This rank stops (SIGSTOP) once its exchange's messages are posted: its peers' sends to
     it, and their receives from it, wait on a frozen process."""
-    import torch.distributed as dist
+    from ckptio.distributed import sendreads
 
-    real = dist.batch_isend_irecv
+    real = sendreads._post
 
-    def post_then_stop(ops: Any) -> Any:
-        works = real(ops)
+    def post_then_stop(group: Any, posts: Any) -> Any:
+        works = real(group, posts)
         os.kill(os.getpid(), signal.SIGSTOP)
         return works
 
-    dist.batch_isend_irecv = post_then_stop
+    sendreads._post = post_then_stop  # type: ignore[attr-defined]
 
 
 def odd_state(zeros: bool = False) -> dict[str, Any]:

@@ -29,8 +29,8 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch",
-           "piece_of", "rank_alone_group", "silent_ranks", "store_of"]
+__all__ = ["ALONE", "COORDINATOR", "Group", "Solo", "current_group", "job_ranks", "mark_piece",
+           "over_torch", "piece_of", "rank_alone_group", "silent_ranks", "store_of"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
@@ -58,6 +58,7 @@ def piece_of(group: Any) -> tuple[int, int] | None:
 class Group(Protocol):
     rank: int
     size: int
+    members: tuple[int, ...]  # the global rank of each rank
 
     def gather(self, data: bytes) -> list[bytes] | None:
         """Every rank's bytes on the coordinator (in rank order); None elsewhere."""
@@ -89,6 +90,7 @@ class Solo:
 
     rank = 0
     size = 1
+    members: tuple[int, ...] = (0,)
 
     def __init__(self) -> None:
         self._published: dict[str, bytes] = {}
@@ -156,6 +158,24 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
                       f"ckptio/{ranks}/{instance}", deadlines)
 
 
+# [the default group, weakly (destroy_process_group frees it); its ranks as job_ranks made them]
+_job: list[Any] = []
+
+
+def job_ranks(options: Options | None = None) -> StoreGroup | None:
+    """The ranks of the job's default group for the plugins' steps of every rank (a run
+    lease, a tag check), made at the first call and kept, with that call's deadlines, while
+    the group lives (one made per call left its counters in the job's store each time); None
+    in one process."""
+    group = current_group()
+    if group is None:
+        return None
+    if not (_job and _job[0]() is group):
+        _job[:] = [weakref.ref(group), over_torch(group, options)]
+    ranks: StoreGroup = _job[1]
+    return ranks
+
+
 def store_of(group: Any) -> Any:
     """The store of a torch process group (its own prefix of the job's store)."""
     from torch.distributed import distributed_c10d as c10d
@@ -195,8 +215,7 @@ def rank_alone_group() -> Any | None:
     is a collective of every rank: ``ALONE``, which ckptio's calls take as one process; None in
     one process. Not a torch process group: one made on some ranks only (as a group of one is)
     would shift the names torch gives the groups made after it on those ranks, and a later
-    group of several ranks (a shared load's wire group) would then be named unlike on the
-    others."""
+    group of several ranks (the program's own) would then be named unlike on the others."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None

@@ -39,8 +39,8 @@ import torch
 from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.loadsteps import UnexpectedKeys, nobody_asks
-from ckptio.distributed.step import coordinate, listed
-from ckptio.distributed.wiregroup import Wire, generation
+from ckptio.distributed.step import coordinate, listed, rank_named
+from ckptio.distributed.wiregroup import Wire, generation, new_generation
 from ckptio.errors import CorruptCheckpointError, RankFailedError
 from ckptio.format.checksum import ALGORITHMS, TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
@@ -127,9 +127,10 @@ class SharedReads:
         if not failed:
             return nbytes
         warnings.warn(
-            f"{self.path}: rank {self.group.rank} could not exchange replicated tensors or "
-            "shared checksum blocks with "
-            + "; ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+            f"{self.path}: {rank_named(self.group.rank, self.members)} could not exchange "
+            "replicated tensors or shared checksum blocks with "
+            + "; ".join(f"{rank_named(r, self.members)} ({why})"
+                        for r, why in sorted(failed.items()))
             + f"; it read the {len(again)} tensor(s) and the blocks those ranks were to send it "
             "from storage instead", stacklevel=4)
         return nbytes + read(again)
@@ -301,8 +302,8 @@ def _decide(messages: list[bytes]) -> list[bytes]:
     if not any(s.sends_or_receives for s in shares):
         return [json.dumps({"shared": False, **keys}).encode()] * len(mine)
     generations = {m["wire"] for m in mine}
-    generation = generations.pop() if len(generations) == 1 and 0 not in generations else (
-        max(m["wire"] for m in mine) + 1)
+    generation = generations.pop() if len(generations) == 1 and "" not in generations else (
+        new_generation())
     blocks = any(o != -1 for s, m in zip(shares, mine) for o in s.owner[m["nwhole"]:])
     return [json.dumps({"shared": True, "wire": generation, "owner": s.owner, "to": s.to,
                         "blocks": blocks, **keys}).encode() for s in shares]

@@ -1,15 +1,14 @@
 """The bytes of read-once units moving from the rank that read them to the ranks that want them.
 
-Every rank posts all its receives and sends at once (``torch.distributed.batch_isend_irecv``:
-tensors only, nothing pickled; grouped, so NCCL would not deadlock on them either), over a gloo
-process group of the load's own whose timeout (Options.rank_timeout_s) bounds every wait. A
-message is a slice of one unit's destination where it is a contiguous host tensor (no copy on
-either side), else a buffer its pieces are packed into or copied out of. Each received unit is
-checked against the checksum the manifest records for it before it is copied on; a mismatch is
-a CorruptCheckpointError naming the key, the file and the sending rank. A peer that dies, or
-does not answer within the timeout, fails its messages only (its others are not waited for:
-one timeout per peer): ``exchange`` names it, and the caller reads that peer's units from
-storage.
+Every rank posts all its receives and sends at once (the gloo group's own send and recv: tensors
+only, nothing pickled), over a gloo process group of the load's own (wiregroup.py) whose timeout
+(Options.rank_timeout_s) bounds every wait. A message is a slice of one unit's destination where
+it is a contiguous host tensor (no copy on either side), else a buffer its pieces are packed
+into or copied out of. Each received unit is checked against the checksum the manifest records
+for it before it is copied on; a mismatch is a CorruptCheckpointError naming the key, the file
+and the sending rank. A peer that dies, or does not answer within the timeout, fails its
+messages only (its others are not waited for: one timeout per peer): ``exchange`` names it, and
+the caller reads that peer's units from storage.
 
 Owns: posting, waiting, landing the bytes, checking them. Does not own: who sends what
 (planning/shared_reads.py), the steps around it and the fallback (readshare.py).
@@ -22,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.checksum import entry_checksum
@@ -61,11 +59,13 @@ def host_bytes(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def exchange(group: Any, units: list[Unit], share: Share, algorithm: str | None,
-             block_nbytes: int, where: Callable[[str], str]) -> dict[int, str]:
+             block_nbytes: int, where: Callable[[str], str],
+             who: Callable[[int], str] = "rank {}".format) -> dict[int, str]:
     """Send the units this rank owns (read, in their first destination) to the ranks that want
     them and receive the others into their destinations, checked against ``algorithm``'s
-    checksums (None: unchecked). -> the peers some of whose messages failed, with why: every
-    unit from such a peer is to be read again."""
+    checksums (None: unchecked; ``where`` names a file, ``who`` a peer in its errors). -> the
+    peers some of whose messages failed, with why: every unit from such a peer is to be read
+    again."""
     incoming: dict[int, list[int]] = {}
     outgoing: dict[int, list[int]] = {}
     for i, owner in enumerate(share.owner):
@@ -93,7 +93,7 @@ def exchange(group: Any, units: list[Unit], share: Share, algorithm: str | None,
     for owner, idx in incoming.items():
         if owner not in failed:
             for i in idx:
-                _check(units[i], landings[i], algorithm, block_nbytes, owner, where)
+                _check(units[i], landings[i], algorithm, block_nbytes, who(owner), where)
                 _land(units[i], landings[i])
     return failed
 
@@ -139,10 +139,8 @@ def _run(group: Any, posts: list[_Post], landings: dict[int, torch.Tensor]) -> d
     failed: dict[int, str] = {}
     if not posts:
         return failed
-    ops = [dist.P2POp(dist.isend if p.send else dist.irecv, p.buffer, group=group,
-                      group_peer=p.peer, tag=p.tag) for p in posts]
     try:
-        works = dist.batch_isend_irecv(ops)
+        works = _post(group, posts)
     except RuntimeError as exc:  # a peer already gone: nothing was posted to anyone
         return {p.peer: _why(exc) for p in posts}
     for post, work in zip(posts, works):
@@ -161,6 +159,12 @@ def _run(group: Any, posts: list[_Post], landings: dict[int, torch.Tensor]) -> d
     return failed
 
 
+def _post(group: Any, posts: list[_Post]) -> list[Any]:
+    """Every message posted on the wire group (gloo's send and recv) -> their works."""
+    return [group.send([p.buffer], p.peer, p.tag) if p.send else
+            group.recv([p.buffer], p.peer, p.tag) for p in posts]
+
+
 def _wait(work: Any) -> None:
     work.wait()
 
@@ -170,7 +174,7 @@ def _why(exc: BaseException) -> str:
 
 
 def _check(unit: Unit, landing: torch.Tensor, algorithm: str | None, block_nbytes: int,
-           owner: int, where: Callable[[str], str]) -> None:
+           owner: str, where: Callable[[str], str]) -> None:
     if algorithm is None:
         return
     entry = unit.entry
@@ -179,9 +183,9 @@ def _check(unit: Unit, landing: torch.Tensor, algorithm: str | None, block_nbyte
     if got != entry.checksum:
         raise CorruptCheckpointError(
             f"checksum mismatch for key {entry.key!r} of {where(entry.file)} bytes "
-            f"[{entry.offset}, {entry.offset + entry.nbytes}) as received from rank {owner}, "
+            f"[{entry.offset}, {entry.offset + entry.nbytes}) as received from {owner}, "
             f"which read it for this rank: stored {entry.checksum}, received {got}. The bytes "
-            f"were damaged between the ranks (rank {owner} checked them as it read them); load "
+            f"were damaged between the ranks ({owner} checked them as it read them); load "
             "again, and if it recurs check the hosts' network and memory, or pass "
             "Options(broadcast_replicated=False) to have every rank read its own copy (this "
             "rank's destination tensors may be partly filled)")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from ckptio.distributed.dist import Group
 from ckptio.errors import RankFailedError
 
-__all__ = ["coordinate", "describe", "listed"]
+__all__ = ["coordinate", "describe", "listed", "rank_named"]
 
 _OK, _ERROR, _FAILED = b"O", b"E", b"F"
 
@@ -51,7 +51,7 @@ def coordinate(group: Group, mine: bytes | None, error: BaseException | None, de
         answers: list[bytes] | None = None
         own: BaseException | None = None
         if gathered is not None:
-            answers, own = _decide_all(gathered, decide, failed)
+            answers, own = _decide_all(gathered, decide, failed, group.members)
         answer = group.scatter(answers)
     except RankFailedError as lost:  # a rank died or hung (storegroup.py): say what failed
         if error is not None:
@@ -76,13 +76,13 @@ def _payload(mine: bytes | None) -> bytes:
     return mine
 
 
-def _decide_all(gathered: list[bytes], decide: Decide,
-                failed: Phrase) -> tuple[list[bytes], BaseException | None]:
+def _decide_all(gathered: list[bytes], decide: Decide, failed: Phrase,
+                members: tuple[int, ...]) -> tuple[list[bytes], BaseException | None]:
     """On the coordinator: every rank's answer, and the error ``decide`` raised (if any)."""
     reported = [(rank, *message[1:].partition(b"\n")[::2])
                 for rank, message in enumerate(gathered) if message[:1] != _OK]
     if reported:
-        why = failed([f"rank {rank}: {line.decode(errors='replace')}"
+        why = failed([f"{rank_named(rank, members)}: {line.decode(errors='replace')}"
                       for rank, _, line in reported])
         return [_failure([kind for _, kind, _ in reported], why)] * len(gathered), None
     try:
@@ -101,3 +101,10 @@ def _failure(kinds: list[bytes], why: str) -> bytes:
 def listed(failures: list[str], limit: int = 8) -> str:
     """'rank 1: why; rank 3: why ...' with at most ``limit`` entries."""
     return "; ".join(failures[:limit]) + (" ..." if len(failures) > limit else "")
+
+
+def rank_named(rank: int, members: tuple[int, ...]) -> str:
+    """'rank r' for group rank ``rank`` of a group of global ranks ``members``, its global rank
+    added where it differs ('rank 0 (global rank 2)')."""
+    known = members[rank] if 0 <= rank < len(members) else rank
+    return f"rank {rank}" + ("" if known == rank else f" (global rank {known})")
