@@ -144,6 +144,6 @@ def leased(checkpoint_dir: str, take_over: bool, options: Options | None) -> Non
     name = os.path.basename(os.path.normpath(checkpoint_dir))
     if not _ITERATION.fullmatch(name):
         return
-    _LEASES.take_over = _LEASES.take_over or take_over
+    _LEASES.take_over = take_over  # this save's strategy's, not an earlier one's
     taken_on_rank_0(_LEASES, job_ranks(options), os.path.dirname(os.path.abspath(checkpoint_dir)),
                     f"iteration {name}")

@@ -62,17 +62,22 @@ def _state(rank: int, v: float) -> dict[str, Any]:
 
 
 def _second_job(rank: int, world: int, save: str, take_over: bool) -> dict[str, Any]:
-    """Both ranks save iteration 5 into ``save``, then a directory of the program's own beside
-    it -> the error each rank met (or None), ckptio's warnings, and whether the own save went
-    through."""
+    """Both ranks save iteration 3 elsewhere taking over, iteration 5 into ``save``, then a
+    directory of the program's own beside it -> the error each rank met (or None), ckptio's
+    warnings, and whether the own save went through."""
     said: list[str] = []
     heard = logging.Handler(logging.WARNING)
     heard.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ckptio").addHandler(heard)
     where = Path(save) / "iter_0000005"
+    # a save of this job elsewhere with take_over=True first: it takes that directory only
+    elsewhere = Path(save).parent / "other" / "iter_0000003"
     if rank == 0:
         where.mkdir(parents=True, exist_ok=True)
+        elsewhere.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
+    mdc.save(_state(rank, 3.0), str(elsewhere),
+             sharded_strategy=CkptioSaveShardedStrategy(take_over=True))
     out: dict[str, Any] = {}
     try:
         mdc.save(_state(rank, 5.0), str(where),
