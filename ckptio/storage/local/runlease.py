@@ -35,12 +35,15 @@ from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import still_linked
 
-__all__ = ["LEASE_NAME", "RunLease", "not_a_run_directory", "take"]
+__all__ = ["FIRST_SAVE_REFUSAL", "LEASE_NAME", "MANAGER_REFUSAL", "RunLease", "not_a_run_directory",
+           "take"]
 
 log = logging.getLogger("ckptio")
 LEASE_NAME = ".ckptio-run.lease"
 MANAGER_REFUSAL = ("this CheckpointManager was not made",
                    "pass CheckpointManager(..., take_over=True)")  # take(refusal=)
+FIRST_SAVE_REFUSAL = ("the first save of this CheckpointManager was not made",
+                      MANAGER_REFUSAL[1])  # a run directory made after the manager was
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
