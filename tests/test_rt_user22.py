@@ -144,3 +144,36 @@ def test_a_read_only_run_directory_restores_and_its_save_says_why_and_the_fix(
     assert said.startswith("StorageIOError") and str(run / "step-3") in said, said
     assert "read-only" in said and "save elsewhere" in said, said
     assert sorted(os.listdir(run)) == ["step-1", "step-2"]
+
+
+def test_a_mistyped_memory_tier_is_offered_the_one_spelled_alike_as_shm(
+        tmp_path, monkeypatch) -> None:
+    """A run restarted with its memory tier's name mistyped: the warning offers the memory
+    tier spelled alike that holds steps as the user writes it (shm://NAME), not the
+    directory under $CKPTIO_SHM_DIR."""
+    monkeypatch.setenv("CKPTIO_SHM_DIR", str(tmp_path / "shm"))
+    state = {"w": torch.zeros(4)}
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://gpt-run")]) as mgr:
+        mgr.save(1, state)
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://gpt-rnu")]) as mgr:
+        with pytest.warns(UserWarning, match="did you mean") as said:
+            assert mgr.restore(state) is None
+    message = str(said[0].message)
+    assert "did you mean shm://gpt-run? It holds committed steps (the newest: step 1)" in \
+        message, message
+    assert str(tmp_path) not in message, message
+
+
+def test_a_run_directory_below_a_file_names_the_file_in_the_way(tmp_path,
+                                                                monkeypatch) -> None:
+    """A disk tier's path whose parent is a file (a typo, a file named like the run): the
+    error names that file, not the run directory as "exists and is not a directory"."""
+    monkeypatch.setenv("CKPTIO_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "ckpt").write_text("notes")
+    run = str(tmp_path / "ckpt" / "run")
+    with pytest.raises(ckptio.CkptError) as raised:
+        ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run"), ckptio.Tier(run, every=10)])
+    said = str(raised.value)
+    assert f"{tmp_path / 'ckpt'} is a file, not a directory" in said, said
+    assert "exists and is not a directory" not in said, said
+    assert (tmp_path / "ckpt").read_text() == "notes"

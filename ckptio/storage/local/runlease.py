@@ -179,7 +179,14 @@ def _open(directory: str, path: str) -> int | None:
 
 
 def not_a_run_directory(directory: str) -> StorageIOError:
-    """The error for a run directory that exists as something else (a file)."""
+    """The error for a run directory that exists as something else (a file), or below one."""
+    blocker = directory
+    while not os.path.lexists(blocker) and os.path.dirname(blocker) not in ("", blocker):
+        blocker = os.path.dirname(blocker)  # the nearest part of the path that is there
+    if blocker != directory and os.path.lexists(blocker) and not os.path.isdir(blocker):
+        return StorageIOError(f"the run directory {directory} cannot be made: {blocker} is a "
+                              "file, not a directory: give the manager another directory, or "
+                              "move that file away")
     return StorageIOError(f"the run directory {directory} exists and is not a directory: give "
                           "the manager a directory (it saves its steps in it as step-<N>), or "
                           "move that file away")
