@@ -177,3 +177,20 @@ def test_a_run_directory_below_a_file_names_the_file_in_the_way(tmp_path,
     assert f"{tmp_path / 'ckpt'} is a file, not a directory" in said, said
     assert "exists and is not a directory" not in said, said
     assert (tmp_path / "ckpt").read_text() == "notes"
+
+
+def test_a_plain_dataloader_in_the_state_is_refused_with_what_resumes_one(tmp_path) -> None:
+    """docs/guides/resume.md puts the data loader in the state; a plain torch DataLoader has
+    no state_dict(): the save is refused naming the key and a loader that has one (not
+    allow_pickle=True, which would pickle its dataset and resume nothing); nothing is
+    committed, and the manager's next save of a right state goes ahead."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)))
+    with ckptio.CheckpointManager(str(tmp_path / "run"), save_every=1) as mgr:
+        with pytest.raises(ckptio.UnsupportedStateError) as raised:
+            mgr.save(1, {"w": torch.zeros(2), "loader": loader})
+        said = str(raised.value)
+        assert "'loader'" in said and "StatefulDataLoader" in said, said
+        assert "allow_pickle" not in said, said
+        assert mgr.steps() == []
+        mgr.save(1, {"w": torch.zeros(2)})
+        assert mgr.steps() == [1]
