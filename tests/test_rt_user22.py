@@ -194,3 +194,22 @@ def test_a_plain_dataloader_in_the_state_is_refused_with_what_resumes_one(tmp_pa
         assert mgr.steps() == []
         mgr.save(1, {"w": torch.zeros(2)})
         assert mgr.steps() == [1]
+
+
+def test_a_changed_models_warnings_through_restore_name_the_users_line(tmp_path) -> None:
+    """restore(state, strict=False) after a parameter's shape changed: every warning it gives
+    (the keys left as built, the shape that differs) names the user's line, not a ckptio
+    module (a fixed stacklevel, right for ckptio.load, named managing/level.py)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with ckptio.CheckpointManager(str(tmp_path / "run"), save_every=1) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    grown = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    state = {"model": grown, "optim": torch.optim.AdamW(grown.parameters())}
+    with ckptio.CheckpointManager(str(tmp_path / "run"), save_every=1) as mgr:
+        with pytest.warns(UserWarning) as said:
+            assert mgr.restore(state, strict=False) == 1
+    assert any("shape" in str(w.message) for w in said), [str(w.message) for w in said]
+    assert [w.filename for w in said] == [__file__] * len(said), [w.filename for w in said]
