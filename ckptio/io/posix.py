@@ -195,8 +195,9 @@ def os_hint(exc: OSError) -> str:
     return {
         errno.ENOSPC: "the disk is full: free space or save elsewhere",
         errno.EDQUOT: "the disk quota is exhausted",
-        errno.EACCES: "permission denied: check the directory's owner and mode",
-        errno.EROFS: "the filesystem is read-only",
+        errno.EACCES: "permission denied: check the directory's owner and mode, or save "
+                      "elsewhere",
+        errno.EROFS: "the filesystem is read-only: remount it read-write, or save elsewhere",
         errno.EEXIST: "a file of that name already exists (another save running?)",
         errno.ENOENT: "the file is missing (removed or never written)",
     }.get(exc.errno or 0, "see the OS error")

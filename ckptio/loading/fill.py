@@ -15,6 +15,7 @@ own: any rule (matching.py), the stored side (stored.py), reading bytes.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, rules: Rules,
     nbytes = reads.run(read)
     if not m.checked:
         raise CkptError("internal: a load read before its keys were checked")
-    for message, level in m.warnings:  # from here: they name the caller's line
-        warnings.warn(message, stacklevel=level)
+    for message, _level in m.warnings:  # from here, naming the first line outside ckptio
+        warnings.warn(message, stacklevel=_callers_level())
     _put_back(m, reads, record, flat)
     return LoadReport(m.loaded(), m.missing, m.unexpected, nbytes, tuple(m.problems.values()))
 
@@ -112,4 +113,17 @@ def _put_back(m: Match, reads: Plan, record: Manifest, flat: FlatState) -> None:
     merge.put_back(flat, record.tree, replaced, made, m.lists.whole)
     for r in m.renamed:
         warnings.warn("strict=False: the model's parameters changed since the save: "
-                      + r.summary(by_name.load_into(r, record.tree, saved_by_name)), stacklevel=6)
+                      + r.summary(by_name.load_into(r, record.tree, saved_by_name)),
+                      stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that makes a warning raised by the function calling this name the
+    first line outside ckptio: the user's, whether it called ckptio.load or a manager's
+    restore (fixed levels named a ckptio module on the longer paths)."""
+    here = inspect.currentframe()
+    frame, level = (None if here is None else here.f_back), 1
+    while frame is not None and frame.f_back is not None \
+            and frame.f_globals.get("__name__", "").split(".")[0] == "ckptio":
+        frame, level = frame.f_back, level + 1
+    return level

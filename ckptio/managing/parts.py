@@ -351,12 +351,13 @@ class ManagerParts:
     def at_exit(self) -> None:
         """At interpreter exit, unclosed after a save (managing/unclosed.py): say so, remove the
         memory tier's slots (host memory no step holds, no later save takes), let go of the
-        run leases."""
-        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
-                    "in flight were waited for, but its last retention pass, drain and "
-                    "protection did not run (more steps than keep_last may remain); call "
-                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
-                    self.directory)
+        run leases (silently where no save started: one refused before it began)."""
+        if self._saved_here:
+            log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
+                        "in flight were waited for, but its last retention pass, drain and "
+                        "protection did not run (more steps than keep_last may remain); call "
+                        "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
+                        self.directory)
         try:
             for level in self._levels:
                 level.drop_slots(at_exit=True)

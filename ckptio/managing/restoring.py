@@ -81,9 +81,11 @@ def incomplete(listings: Sequence[Listing]) -> list[int]:
 
 
 def where(levels: Sequence[TierSteps]) -> str:
-    """The manager's location for messages: its directory, or its tiers as declared."""
+    """The manager's location for messages: its directory (a memory tier's as declared,
+    shm://NAME), or its tiers as declared."""
     if len(levels) == 1:
-        return levels[0].directory
+        given = levels[0].location
+        return given if "://" in given else levels[0].directory
     return "the tiers " + ", ".join(level.location for level in levels)
 
 
@@ -274,8 +276,17 @@ def neighbours(levels: Sequence[TierSteps]) -> list[tuple[str, int]]:
             except CkptError:
                 continue
             if committed:
-                found.append((path, max(committed)))
+                found.append((_as_given(level, name, sibling, path), max(committed)))
     return found
+
+
+def _as_given(level: TierSteps, name: str, sibling: str, path: str) -> str:
+    """``sibling`` of tier ``level`` (named ``name``) as the user would write it: a memory
+    tier's as ``shm://<sibling>``, not the directory it is kept in."""
+    given = level.location
+    if given != level.directory and "://" in given and given.endswith(name):
+        return given[: len(given) - len(name)] + sibling
+    return path
 
 
 def _digitless(name: str) -> str:

@@ -105,6 +105,11 @@ def classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
         return "object", values.encode(value)
     except values.NotEncodable:
         pass
+    if not allow_pickle and isinstance(value, torch.utils.data.DataLoader):  # nor pickled
+        raise UnsupportedStateError(
+            f"key {key!r}: a torch DataLoader has no state_dict(), so where it is in its epoch "
+            "cannot be saved; use a loader that has one (torchdata's StatefulDataLoader), or "
+            "put what rebuilds its position (epoch, batches seen) in the state instead")
     if not allow_pickle:
         raise UnsupportedStateError(
             f"key {key!r}: a {type(value).__module__}.{type(value).__qualname__} cannot be "

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ckptio.errors import CheckpointLockedError, CkptError, StorageIOError
+from ckptio.io.posix import os_hint
 from ckptio.storage import abandon
 from ckptio.storage import holder as holders
 from ckptio.storage.store_contract import check_if_locked
@@ -70,7 +71,7 @@ def make_dir(path: str) -> bool:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise StorageIOError(f"cannot create checkpoint directory {path}: "
-                             f"{exc.strerror or exc}") from None
+                             f"{exc.strerror or exc}; {os_hint(exc)}") from None
     return created
 
 

@@ -81,8 +81,10 @@ class LocalRoot:
         return f"{self._joined[1]}{step_name(step)}"
 
     def lease(self, take_over: bool, *, create: bool) -> RunLease | None:
-        """LeasedRoot: the run directory's lease (runlease.py), if it exists or ``create``."""
-        return runlease.take(self.location, take_over, create=create)
+        """LeasedRoot: the run directory's lease (runlease.py), if it exists or ``create`` (a
+        manager's first save: its refusal says that save was not made)."""
+        refusal = runlease.FIRST_SAVE_REFUSAL if create else runlease.MANAGER_REFUSAL
+        return runlease.take(self.location, take_over, create=create, refusal=refusal)
 
     def scan(self) -> Listing:
         """The step directories, committed and incomplete, ascending."""

@@ -35,12 +35,15 @@ from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import still_linked
 
-__all__ = ["LEASE_NAME", "RunLease", "not_a_run_directory", "take"]
+__all__ = ["FIRST_SAVE_REFUSAL", "LEASE_NAME", "MANAGER_REFUSAL", "RunLease", "not_a_run_directory",
+           "take"]
 
 log = logging.getLogger("ckptio")
 LEASE_NAME = ".ckptio-run.lease"
 MANAGER_REFUSAL = ("this CheckpointManager was not made",
                    "pass CheckpointManager(..., take_over=True)")  # take(refusal=)
+FIRST_SAVE_REFUSAL = ("the first save of this CheckpointManager was not made",
+                      MANAGER_REFUSAL[1])  # a run directory made after the manager was
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -176,7 +179,14 @@ def _open(directory: str, path: str) -> int | None:
 
 
 def not_a_run_directory(directory: str) -> StorageIOError:
-    """The error for a run directory that exists as something else (a file)."""
+    """The error for a run directory that exists as something else (a file), or below one."""
+    blocker = directory
+    while not os.path.lexists(blocker) and os.path.dirname(blocker) not in ("", blocker):
+        blocker = os.path.dirname(blocker)  # the nearest part of the path that is there
+    if blocker != directory and os.path.lexists(blocker) and not os.path.isdir(blocker):
+        return StorageIOError(f"the run directory {directory} cannot be made: {blocker} is a "
+                              "file, not a directory: give the manager another directory, or "
+                              "move that file away")
     return StorageIOError(f"the run directory {directory} exists and is not a directory: give "
                           "the manager a directory (it saves its steps in it as step-<N>), or "
                           "move that file away")

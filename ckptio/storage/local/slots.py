@@ -140,10 +140,13 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
         if size in held:
             held.remove(size)
             continue
-        fd = os.open(os.path.join(slots, f"{mine}{index:04d}.{size}"),
-                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        path = os.path.join(slots, f"{mine}{index:04d}.{size}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             size_file(fd, size)
+        except OSError:  # a full tmpfs: a slot of the size with pages missing would be taken
+            os.unlink(path)  # by a save, whose allocation then fails for want of them
+            raise
         finally:
             os.close(fd)
 
