@@ -98,7 +98,7 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, rules: Rules,
     nbytes = reads.run(read)
     if not m.checked:
         raise CkptError("internal: a load read before its keys were checked")
-    for message, _level in m.warnings:  # from here, naming the first line outside ckptio
+    for message in m.warnings:  # from here, naming the first line outside ckptio
         warnings.warn(message, stacklevel=_callers_level())
     _put_back(m, reads, record, flat)
     return LoadReport(m.loaded(), m.missing, m.unexpected, nbytes, tuple(m.problems.values()))

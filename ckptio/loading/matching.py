@@ -82,7 +82,7 @@ class Match:
     lacks, created in it; ``by_name``: a renamed optimizer's keys (by_name.py); ``lists``:
     the lists replaced whole (state_keys.py); ``problems``: key -> why it is left as it was;
     ``unexpected``: this rank's, then (check_agreed) those no rank asks for; ``warnings``:
-    (message, its stacklevel as if warned in fill_in_place); ``checked``: check_agreed ran."""
+    the messages fill_in_place warns of; ``checked``: check_agreed ran."""
 
     sources: Sources
     renamed: list[Renamed]
@@ -96,7 +96,7 @@ class Match:
     unexpected: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)
     resized: list[str] = field(default_factory=list)  # keys whose saved shape or dtype differs
-    warnings: list[tuple[str, int]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     checked: bool = False
 
     def loaded(self) -> tuple[str, ...]:
@@ -151,7 +151,7 @@ def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
                                        f"keys={[w.rstrip('.') for w in dotted]}" if dotted else ""))
     if strict:
         raise StateMismatchError(message)
-    m.warnings.append((f"strict=False: {message}", 5))
+    m.warnings.append(f"strict=False: {message}")
 
 
 def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
@@ -315,12 +315,11 @@ def _mismatched(m: Match, strict: bool) -> None:
             + "; ".join(list(m.problems.values())[:10]),
             fix=". Fix the state, or pass strict=False to load the rest and skip these")
     if m.problems:
-        m.warnings.append((
+        m.warnings.append(
             f"strict=False: {len(m.problems)} key(s) left as they were, their dtype or shape "
             "differs (or they hold a resized parameter's optimizer state, or another kind of "
             "optimizer's): "
-            f"{'; '.join(list(m.problems.values())[:3])} (LoadReport.mismatched lists them all)",
-            5))
+            f"{'; '.join(list(m.problems.values())[:3])} (LoadReport.mismatched lists them all)")
 
 
 def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
@@ -339,15 +338,15 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
         raise StateMismatchError(f"state and checkpoint keys differ: {differ}.{hint}{wrapped}"
                                  f"{lists_hint}", fix=rest)
     if hint or wrapped:
-        m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
-                           f"{hint}{wrapped}", 3))
+        m.warnings.append(f"strict=False: {len(unexpected)} checkpoint keys not loaded."
+                          f"{hint}{wrapped}")
     elif unexpected and not set(flat.leaves) - set(missing):
         fix = (f"the state's keys (e.g. {_some_keys(missing[:3])}) were renamed since the save?"
                if missing else "an empty container (a {} or defaultdict) is not filled in place:"
                " for new values load with no state (ckptio.load(path)) or build the state first")
-        m.warnings.append((
+        m.warnings.append(
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "
-            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; {fix}", 5))
+            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; {fix}")
 
 
 def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
