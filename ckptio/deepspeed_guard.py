@@ -94,7 +94,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
             _check_zero3_ranks(engine, folder)
             alone = getattr(engine.checkpoint_engine, "load_alone", None)
             if not optimizer and not getattr(engine, "has_moe_layers", False) and alone:
-                reads = zero_to_fp32_reading(alone)  # the weights, through zero_to_fp32
+                reads = zero_to_fp32_reading(alone, os.path.basename(folder))  # the weights
         if optimizer and not given.get("load_module_only", False) and engine.zero_optimization():
             _check_model_parallel_size(engine, folder)
             _check_parameters(engine, folder)

@@ -145,17 +145,27 @@ class _TorchReadingCkptio:
 
 
 @contextlib.contextmanager
-def zero_to_fp32_reading(read: Callable[[str], Any]) -> Iterator[None]:
+def zero_to_fp32_reading(read: Callable[[str], Any], tag: str) -> Iterator[None]:
     """While it lasts, DeepSpeed's zero_to_fp32 reads a ckptio checkpoint through ``read``
-    (path -> its state, CPU tensors). DeepSpeed 0.19.8's ZeRO-3 load_checkpoint without
-    optimizer states rebuilds the weights with zero_to_fp32's
+    (path -> its state, CPU tensors), and the weights of ``tag``. DeepSpeed 0.19.8's ZeRO-3
+    load_checkpoint without optimizer states rebuilds the weights with zero_to_fp32's
     ``get_fp32_state_dict_from_zero_checkpoint``, which calls ``torch.load`` on every rank's
-    model and optimizer file itself, past the checkpoint engine: its module's ``torch`` is
-    replaced for the call (any other file still goes to torch.load), then put back."""
-    names = vars(importlib.import_module("deepspeed.utils.zero_to_fp32"))
-    real = names["torch"]
-    names["torch"] = _TorchReadingCkptio(real, read)
+    model and optimizer file itself, past the checkpoint engine; and DeepSpeed calls it without
+    the tag asked for, so it read the tag ``latest`` names (another save's weights, silently,
+    under any engine). For the call, that module's ``torch`` and the engine module's name of
+    the function are replaced (any other file still goes to torch.load), then put back."""
+    module = vars(importlib.import_module("deepspeed.utils.zero_to_fp32"))
+    engine = vars(importlib.import_module("deepspeed.runtime.engine"))
+    real, fp32 = module["torch"], engine["get_fp32_state_dict_from_zero_checkpoint"]
+
+    def of_the_tag(checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
+        if not args and kwargs.get("tag") is None:
+            kwargs["tag"] = tag
+        return fp32(checkpoint_dir, *args, **kwargs)
+
+    module["torch"] = _TorchReadingCkptio(real, read)
+    engine["get_fp32_state_dict_from_zero_checkpoint"] = of_the_tag
     try:
         yield
     finally:
-        names["torch"] = real
+        module["torch"], engine["get_fp32_state_dict_from_zero_checkpoint"] = real, fp32

@@ -6,7 +6,8 @@ ZeRO-3's ``load_checkpoint(load_optimizer_states=False)`` (and with ``load_modul
 DeepSpeed 0.19.8 rebuilds the weights with its zero_to_fp32, which calls ``torch.load`` on
 every rank's files itself; ckptio refused it (DeepSpeed's test_not_load_optimizer_state[3],
 test_load_module_only[3], test_immediate_save_load[3], ...). Now those files are read through
-ckptio and the weights load bitwise, with zero_to_fp32's torch put back after."""
+ckptio and the weights load bitwise, with zero_to_fp32's torch put back after; a tag named
+in the call gives its own weights (DeepSpeed read the tag ``latest`` names for them)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,17 @@ LIMIT_S = 240
 
 
 def _zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """A ZeRO-3 job trains and saves through ckptio; fresh engines (another seed's weights)
-    load its weights without optimizer states, then as load_module_only -> whether each
-    rank's partitions equal the saved ones, and whether zero_to_fp32's torch is torch again."""
+    """A ZeRO-3 job trains and saves through ckptio twice (``latest`` names the second tag);
+    fresh engines (another seed's weights) load weights without optimizer states: the latest
+    tag, as load_module_only, and the first tag by name -> for each, whether this rank's
+    partitions equal that save's and differed before the load; whether zero_to_fp32's torch
+    and the engine module's function are DeepSpeed's again."""
+    import deepspeed.runtime.engine as ds_engine
     import deepspeed.utils.zero_to_fp32 as z2f
 
     import ckptio.deepspeed_engine
+
+    fp32 = ds_engine.get_fp32_state_dict_from_zero_checkpoint
 
     def fresh(seed: int) -> Any:
         engine = cases.engine_for(3, world_size)
@@ -50,10 +56,15 @@ def _zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]
     engine = fresh(0)
     cases.train(engine, cases.SAVE_AT)
     engine.save_checkpoint(root)
-    saved = params(engine)
+    first = params(engine)
+    cases.train(engine, cases.MORE)
+    engine.save_checkpoint(root)
+    latest = params(engine)
     engine.destroy()
     out: dict[str, Any] = {}
-    for name, kwargs in (("weights", {}), ("module_only", {"load_module_only": True})):
+    for name, kwargs, saved in (("weights", {}, latest),
+                                ("module_only", {"load_module_only": True}, latest),
+                                ("first_tag", {"tag": f"global_step{cases.SAVE_AT}"}, first)):
         engine = fresh(1 + rank)
         before = params(engine)
         engine.load_checkpoint(root, load_optimizer_states=False, **kwargs)
@@ -61,7 +72,7 @@ def _zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]
         out[name] = (all(torch.equal(a, b) for a, b in zip(got, saved)),
                      any(not torch.equal(a, b) for a, b in zip(before, saved)))
         engine.destroy()
-    out["torch_back"] = z2f.torch is torch
+    out["put_back"] = z2f.torch is torch and ds_engine.get_fp32_state_dict_from_zero_checkpoint is fp32
     return out
 
 
@@ -69,9 +80,12 @@ def test_zero3_weights_without_optimizer_states_load_bitwise_through_ckptio(
         tmp_path: Path) -> None:
     """DeepSpeed's ZeRO-3 weights-only loads (test_not_load_optimizer_state[3],
     test_load_module_only[3] in DeepSpeed's own tests) read ckptio's files: each rank's
-    partitions are the saved ones, bit for bit (they differed before the load)."""
+    partitions are the saved ones, bit for bit (they differed before the load); a tag asked
+    for by name gives that tag's weights, not those of the tag ``latest`` names (DeepSpeed's
+    zero_to_fp32 was called without the tag)."""
     got = run_ranks(2, _zero3_weights_only, str(tmp_path / "z3"), timeout_s=LIMIT_S)
     for rank, out in enumerate(got):
         assert out["weights"] == (True, True), (rank, out)
         assert out["module_only"] == (True, True), (rank, out)
-        assert out["torch_back"] is True, (rank, out)
+        assert out["first_tag"] == (True, True), (rank, out)
+        assert out["put_back"] is True, (rank, out)
