@@ -219,6 +219,14 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
         return placed(loaded, map_location)
 
+    def load_alone(self, path: str) -> Any:
+        """The state saved at ``path`` (CPU tensors), read by this rank alone and not kept:
+        DeepSpeed's zero_to_fp32 reads every rank's files once each, within a ZeRO-3
+        load_checkpoint without optimizer states (deepspeed_reads.zero_to_fp32_reading)."""
+        return self.checkpointer.load(path, verify=self.verify, allow_pickle=self.allow_pickle,
+                                      process_group=rank_alone_group(),
+                                      record=self.manifest(path))
+
     def manifest(self, path: str) -> Manifest | None:
         """The ckptio manifest of DeepSpeed file ``path`` (None: a torch.save file, as
         DeepSpeed's own engine writes), read once per load_checkpoint."""

@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 from ckptio.api import Checkpointer
+from ckptio.deepspeed_reads import zero_to_fp32_reading
 from ckptio.deepspeed_tags import missing_rank_file, saves
 from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, job_ranks, rank_alone_group
@@ -65,9 +66,10 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
     """``engine.load_checkpoint`` refusing, as CkptErrors naming the file and the fix, what
     DeepSpeed fails on with an empty AssertionError or a tensor size error, or routes past the
     checkpoint engine: a tag with no files (named, or read from an empty or stale ``latest``);
-    under ZeRO, a model whose parameters differ from the saved ones; ZeRO-3 weights without
-    optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load. The
-    whole call is one ``loading()`` of ckptio's engine: each file's manifest read once in it."""
+    under ZeRO, a model whose parameters differ from the saved ones. ZeRO-3 weights without
+    optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load, are
+    read through the engine's ``load_alone`` (``zero_to_fp32_reading``). The whole call is
+    one ``loading()`` of ckptio's engine: each file's manifest read once in it."""
     signature = inspect.signature(load_checkpoint)
 
     @functools.wraps(load_checkpoint)
@@ -87,14 +89,17 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
             return load_checkpoint(*args, **kwargs)
         _whole_tag(engine, folder)
         optimizer = given.get("load_optimizer_states", True)
+        reads: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if engine.zero_optimization_partition_weights():
             _check_zero3_ranks(engine, folder)
-            if not optimizer and not getattr(engine, "has_moe_layers", False):
-                _refuse_zero3_weights_only(os.fspath(given["load_dir"]), folder)
+            alone = getattr(engine.checkpoint_engine, "load_alone", None)
+            if not optimizer and not getattr(engine, "has_moe_layers", False) and alone:
+                reads = zero_to_fp32_reading(alone, os.path.basename(folder))  # the weights
         if optimizer and not given.get("load_module_only", False) and engine.zero_optimization():
             _check_model_parallel_size(engine, folder)
             _check_parameters(engine, folder)
-        return load_checkpoint(*args, **kwargs)
+        with reads:
+            return load_checkpoint(*args, **kwargs)
 
     return load
 
@@ -305,16 +310,6 @@ def _differences(saved: list[tuple[str, tuple[int, ...]]],
     if not out and [k for k, _ in saved] != [k for k, _ in now]:
         out.append("the same parameters in another order (another optimizer parameter grouping)")
     return out
-
-
-def _refuse_zero3_weights_only(load_dir: str, folder: str) -> None:
-    if any(os.path.isdir(f) for f in _model_files(folder)):
-        raise UnsupportedStateError(
-            f"load_checkpoint({load_dir!r}, load_optimizer_states=False) under ZeRO-3: DeepSpeed "
-            f"reads {folder}'s weights alone through its zero_to_fp32, which calls torch.load "
-            "itself and cannot read ckptio's files; load the whole training state "
-            "(load_optimizer_states=True), or the weights alone from a torch.save copy made by "
-            "ckptio.deepspeed_engine.to_torch_save(load_dir, out_dir)")
 
 
 def _check_zero3_ranks(engine: Any, folder: str) -> None:

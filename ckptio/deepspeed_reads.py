@@ -2,23 +2,26 @@
 ``load_checkpoint``: which ranks load it together (``load_group``: a ZeRO 0-2 model file is
 read once for all the ranks that share it, a fresh load over their group), whether they all
 came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), whether its values
-are kept for a second load of it (``kept``), and where its tensors go (``placed``: DeepSpeed's
-``map_location``).
+are kept for a second load of it (``kept``), where its tensors go (``placed``: DeepSpeed's
+``map_location``), and how DeepSpeed's zero_to_fp32 reads ckptio's files
+(``zero_to_fp32_reading``: ZeRO-3's weights without optimizer states).
 
 Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
 takes ``arrived(load_group(path), path, timeout, missing)`` as its process group, then ``placed``.
 
-Owns: those four decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
+Owns: those decisions. Does not own: the engine, the load (the Checkpointer), DeepSpeed's
 order of loads (read from DeepSpeed 0.19.8's SDLoader, below).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import re
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,8 +29,9 @@ import torch
 from ckptio.devices import moved
 from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, rank_alone_group
+from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["arrived", "kept", "load_group", "placed"]
+__all__ = ["arrived", "kept", "load_group", "placed", "zero_to_fp32_reading"]
 
 
 def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
@@ -121,3 +125,47 @@ def _device(map_location: Any) -> torch.device | None:
         return None
     device = torch.device(map_location)
     return None if device.type == "cpu" else device
+
+
+class _TorchReadingCkptio:
+    """torch, as DeepSpeed's zero_to_fp32 module sees it: ``load`` of a committed ckptio
+    checkpoint goes to ``read``; every other name, and any other file, is torch's own."""
+
+    def __init__(self, real: Any, read: Callable[[str], Any]) -> None:
+        self._real = real
+        self._read = read
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, (str, os.PathLike)) and is_committed(os.fspath(f)):
+            return self._read(os.fspath(f))
+        return self._real.load(f, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def zero_to_fp32_reading(read: Callable[[str], Any], tag: str) -> Iterator[None]:
+    """While it lasts, DeepSpeed's zero_to_fp32 reads a ckptio checkpoint through ``read``
+    (path -> its state, CPU tensors), and the weights of ``tag``. DeepSpeed 0.19.8's ZeRO-3
+    load_checkpoint without optimizer states rebuilds the weights with zero_to_fp32's
+    ``get_fp32_state_dict_from_zero_checkpoint``, which calls ``torch.load`` on every rank's
+    model and optimizer file itself, past the checkpoint engine; and DeepSpeed calls it without
+    the tag asked for, so it read the tag ``latest`` names (another save's weights, silently,
+    under any engine). For the call, that module's ``torch`` and the engine module's name of
+    the function are replaced (any other file still goes to torch.load), then put back."""
+    module = vars(importlib.import_module("deepspeed.utils.zero_to_fp32"))
+    engine = vars(importlib.import_module("deepspeed.runtime.engine"))
+    real, fp32 = module["torch"], engine["get_fp32_state_dict_from_zero_checkpoint"]
+
+    def of_the_tag(checkpoint_dir: str, *args: Any, **kwargs: Any) -> Any:
+        if not args and kwargs.get("tag") is None:
+            kwargs["tag"] = tag
+        return fp32(checkpoint_dir, *args, **kwargs)
+
+    module["torch"] = _TorchReadingCkptio(real, read)
+    engine["get_fp32_state_dict_from_zero_checkpoint"] = of_the_tag
+    try:
+        yield
+    finally:
+        module["torch"], engine["get_fp32_state_dict_from_zero_checkpoint"] = real, fp32

@@ -1,0 +1,91 @@
+"""ckptio.deepspeed_engine against DeepSpeed's own checkpoint tests (tests/unit/checkpoint,
+run by dev/deepspeed_own_tests.sh): what passed there with DeepSpeed's engine and failed with
+ckptio's, on a real DeepSpeed engine (CPU accelerator, two gloo ranks).
+
+ZeRO-3's ``load_checkpoint(load_optimizer_states=False)`` (and with ``load_module_only``):
+DeepSpeed 0.19.8 rebuilds the weights with its zero_to_fp32, which calls ``torch.load`` on
+every rank's files itself; ckptio refused it (DeepSpeed's test_not_load_optimizer_state[3],
+test_load_module_only[3], test_immediate_save_load[3], ...). Now those files are read through
+ckptio and the weights load bitwise, with zero_to_fp32's torch put back after; a tag named
+in the call gives its own weights (DeepSpeed read the tag ``latest`` names for them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install --no-deps "
+                    "deepspeed==0.19.8 and the deepspeed extra's needs)")
+import deepspeed_cases as cases  # noqa: E402 - after the skip
+
+from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+
+LIMIT_S = 240
+
+
+def _zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A ZeRO-3 job trains and saves through ckptio twice (``latest`` names the second tag);
+    fresh engines (another seed's weights) load weights without optimizer states: the latest
+    tag, as load_module_only, and the first tag by name -> for each, whether this rank's
+    partitions equal that save's and differed before the load; whether zero_to_fp32's torch
+    and the engine module's function are DeepSpeed's again."""
+    import deepspeed.runtime.engine as ds_engine
+    import deepspeed.utils.zero_to_fp32 as z2f
+
+    import ckptio.deepspeed_engine
+
+    fp32 = ds_engine.get_fp32_state_dict_from_zero_checkpoint
+
+    def fresh(seed: int) -> Any:
+        engine = cases.engine_for(3, world_size)
+        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        with torch.no_grad():  # weights unlike the saved ones
+            for p in engine.module.parameters():
+                p.ds_tensor.copy_(torch.randn(p.ds_tensor.shape,
+                                              generator=torch.Generator().manual_seed(seed)))
+        return engine
+
+    def params(engine: Any) -> list[torch.Tensor]:
+        return [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+
+    engine = fresh(0)
+    cases.train(engine, cases.SAVE_AT)
+    engine.save_checkpoint(root)
+    first = params(engine)
+    cases.train(engine, cases.MORE)
+    engine.save_checkpoint(root)
+    latest = params(engine)
+    engine.destroy()
+    out: dict[str, Any] = {}
+    for name, kwargs, saved in (("weights", {}, latest),
+                                ("module_only", {"load_module_only": True}, latest),
+                                ("first_tag", {"tag": f"global_step{cases.SAVE_AT}"}, first)):
+        engine = fresh(1 + rank)
+        before = params(engine)
+        engine.load_checkpoint(root, load_optimizer_states=False, **kwargs)
+        got = params(engine)
+        out[name] = (all(torch.equal(a, b) for a, b in zip(got, saved)),
+                     any(not torch.equal(a, b) for a, b in zip(before, saved)))
+        engine.destroy()
+    out["put_back"] = z2f.torch is torch and ds_engine.get_fp32_state_dict_from_zero_checkpoint is fp32
+    return out
+
+
+def test_zero3_weights_without_optimizer_states_load_bitwise_through_ckptio(
+        tmp_path: Path) -> None:
+    """DeepSpeed's ZeRO-3 weights-only loads (test_not_load_optimizer_state[3],
+    test_load_module_only[3] in DeepSpeed's own tests) read ckptio's files: each rank's
+    partitions are the saved ones, bit for bit (they differed before the load); a tag asked
+    for by name gives that tag's weights, not those of the tag ``latest`` names (DeepSpeed's
+    zero_to_fp32 was called without the tag)."""
+    got = run_ranks(2, _zero3_weights_only, str(tmp_path / "z3"), timeout_s=LIMIT_S)
+    for rank, out in enumerate(got):
+        assert out["weights"] == (True, True), (rank, out)
+        assert out["module_only"] == (True, True), (rank, out)
+        assert out["first_tag"] == (True, True), (rank, out)
+        assert out["put_back"] is True, (rank, out)
