@@ -139,17 +139,8 @@ def load_reading_during_exchange(rank: int, world: int, path: str) -> dict[str, 
 def load_flipped(rank: int, world: int, path: str) -> dict[str, Any]:
     """load_sharded with every message rank 1 sends damaged (its first byte flipped) -> also
     the error this rank's load raised: (type, message) or None."""
-    from ckptio.distributed import sendreads
-
     if rank == 1:
-        build = sendreads._send_buffer
-
-        def flipped(sources: Any, pieces: Any) -> torch.Tensor:
-            out = build(sources, pieces).clone()
-            out[0] ^= 0xFF
-            return out
-
-        sendreads._send_buffer = flipped  # type: ignore[assignment]
+        damage_every_send()
     try:
         return {**load_sharded(rank, world, path), "error": None}
     except ckptio.CkptError as exc:
@@ -190,3 +181,17 @@ def alike(n: int) -> dict[str, torch.Tensor]:
 
 def save_alike(path: str, n: int) -> None:
     ckptio.save(alike(n), path, options=options())
+
+
+def damage_every_send() -> None:
+    """From now on, every read-share message this process sends has its first byte flipped."""
+    from ckptio.distributed import sendreads
+
+    build = sendreads._send_buffer
+
+    def flipped(sources: Any, pieces: Any) -> torch.Tensor:
+        out = build(sources, pieces).clone()
+        out[0] ^= 0xFF
+        return out
+
+    sendreads._send_buffer = flipped  # type: ignore[assignment]

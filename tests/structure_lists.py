@@ -151,8 +151,6 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.test_rt_readonce": (_WHITE + "a shared read's send buffer (a send damaged); its "
                                "posting (a rank frozen once posted)",
                                frozenset({"sendreads._send_buffer", "sendreads._post"})),
-    "tests.test_rt_review22": (_WHITE + "a shared read's send buffer (a send damaged)",
-                               frozenset({"sendreads._send_buffer"})),
     "tests.test_s3client": (_WHITE + "the client cache", frozenset({"s3client._clients"})),
     "tests.test_stage_copy_in": (_WHITE + "the staging pool and a tensor's version counter",
                                  frozenset({"pool._all", "whole._version"})),

@@ -170,16 +170,9 @@ def test_a_load_whose_store_is_gone_raises_a_ckpt_error(tmp_path: Path) -> None:
 def _damaged_on_the_wire(rank: int, world: int, path: str) -> tuple[str, str] | None:
     """Ranks 1 and 2 load ``path`` over a group of the two, every message they send damaged
     (its first byte flipped) -> the error's class and message (None on rank 0)."""
-    from ckptio.distributed import sendreads
+    from tests.reshard_once_cases import damage_every_send
 
-    build = sendreads._send_buffer
-
-    def flipped(sources: Any, pieces: Any) -> torch.Tensor:
-        out = build(sources, pieces).clone()
-        out[0] ^= 0xFF
-        return out
-
-    sendreads._send_buffer = flipped  # type: ignore[assignment]
+    damage_every_send()
     pair = torch.distributed.new_group([1, 2])
     said = None
     if rank != 0:
