@@ -187,7 +187,7 @@ class CheckpointManager(ManagerParts):
         is never saved over (docs/MANAGER.md)."""
         step = check_step(step)
         if self._closed:  # its lease, drain and protection are gone: a save would go unseen
-            raise CkptError(f"step {step} was not saved: CheckpointManager({self.directory}) "
+            raise CkptError(f"step {step} was not saved: CheckpointManager({self._named}) "
                             "was closed; make a new CheckpointManager to save again (it takes "
                             "the run's lease again)")
         if not force and not self.should_save(step):

@@ -36,6 +36,7 @@ from ckptio.managing.guard import Guard
 from ckptio.managing.headroom import FirstTierRoom
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.leases import RunLeases
+from ckptio.managing.restoring import where
 from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.tier import Tier, one_host, state_nbytes
 from ckptio.managing import unclosed
@@ -102,6 +103,7 @@ class ManagerParts:
         self._levels = make_levels(self.tiers, declared.keeps, self._ck, self._ranking,
                                    process_group)
         self.directory = self._levels[0].directory
+        self._named = where(self._levels[:1])  # messages' name: a memory tier's shm://NAME
         # the clock and the signal are agreed by the whole job (with redundancy, the saves'
         # group is this rank alone)
         self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
@@ -345,7 +347,7 @@ class ManagerParts:
         job's: CheckpointLockedError the first time that is said, else ""."""
         lost = self._agreed(self._leases.lost_untold)
         if lost:
-            raise CheckpointLockedError(f"CheckpointManager({self.directory}): {lost}")
+            raise CheckpointLockedError(f"CheckpointManager({self._named}): {lost}")
         return lost
 
     def at_exit(self) -> None:
@@ -357,7 +359,7 @@ class ManagerParts:
                         "in flight were waited for, but its last retention pass, drain and "
                         "protection did not run (more steps than keep_last may remain); call "
                         "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
-                        self.directory)
+                        self._named)
         try:
             for level in self._levels:
                 level.drop_slots(at_exit=True)

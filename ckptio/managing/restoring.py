@@ -294,7 +294,7 @@ def _digitless(name: str) -> str:
 
 
 def _name(levels: Sequence[TierSteps], k: int) -> str:
-    return levels[k].directory if len(levels) == 1 else levels[k].location
+    return where(levels) if len(levels) == 1 else levels[k].location
 
 
 def _nothing(levels: Sequence[TierSteps], listings: Sequence[Listing], step: int | None) -> str:

@@ -9,7 +9,8 @@ Call order: storage/select.py's registry entries for ``file`` and ``shm`` hand t
 functions in as their ``local``; select.py's checkpoint_path() and local_path() call them, and
 the location is then served as that path (LocalStore, LocalRoot).
 
-Owns: those two path forms and where the shared-memory root is. Does not own: the registry
+Owns: those two path forms, where the shared-memory root is and the way back from a
+directory under it to its ``shm://NAME`` (shm_url, for messages). Does not own: the registry
 and plain paths (storage/select.py), what is stored there (local_store.py, mapped.py).
 """
 
@@ -19,7 +20,7 @@ import os
 
 from ckptio.errors import UnsupportedPathError
 
-__all__ = ["SHM_ROOT", "file_path", "shm_path", "shm_root"]
+__all__ = ["SHM_ROOT", "file_path", "shm_path", "shm_root", "shm_url"]
 
 SHM_ROOT = "/dev/shm/ckptio"  # tmpfs: host memory, kept after the process exits
 
@@ -55,3 +56,12 @@ def shm_path(text: str) -> str:
                                    "parent is not a directory; no /dev/shm here?): set "
                                    "CKPTIO_SHM_DIR to a directory on a tmpfs")
     return os.path.join(root, *parts)
+
+
+def shm_url(directory: str) -> str:
+    """``directory`` as a user names it in messages: ``shm://NAME[/...]`` for a directory
+    under the shared-memory root (what shm_path() made of it), else ``directory`` itself."""
+    root, path = os.path.abspath(shm_root()), os.path.abspath(directory)
+    if path == root or os.path.commonpath([root, path]) != root:
+        return directory
+    return "shm://" + os.path.relpath(path, root).replace(os.sep, "/")

@@ -34,6 +34,7 @@ import os
 from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import still_linked
+from ckptio.storage.local.local_urls import shm_url
 
 __all__ = ["FIRST_SAVE_REFUSAL", "LEASE_NAME", "MANAGER_REFUSAL", "RunLease", "not_a_run_directory",
            "take"]
@@ -207,21 +208,21 @@ def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool,
     record = _record_of(fd)
     if holders.is_me(record):  # a second manager of this process (its own code decides)
         return RunLease(directory, None)
-    who = _describe(record)
+    who, named = _describe(record), shm_url(directory)  # a memory tier: as the user wrote it
     if take_over:
         log.warning("ckptio: taking over the run directory %s from %s (take_over=True); if that "
                     "job is still running, its next save after this manager's first save is "
-                    "refused", directory, who)
+                    "refused", named, who)
         if create:
             _claim(fd, directory)
         return RunLease(directory, None, taken=not create)
     undone, past = refusal
     raise CheckpointLockedError(
-        f"the run directory {directory} is in use by another job ({who}); two jobs on one run "
+        f"the run directory {named} is in use by another job ({who}); two jobs on one run "
         f"would mix their steps, so {undone} and nothing there was touched: give this job its "
         "own directory or stop the other one; if it is this job's earlier run whose processes "
         f"linger (e.g. DataLoader workers), wait for them to exit or {past} (the lease file is "
-        f"{path})")
+        f"{shm_url(path)})")
 
 
 def _record(fd: int) -> bytes:
