@@ -83,3 +83,23 @@ def test_an_unclosed_manager_of_a_memory_tier_is_named_as_shm(shm, caplog) -> No
     with pytest.raises(ckptio.CkptError) as raised:
         mgr.save(2, {"w": torch.zeros(4)})
     assert "CheckpointManager(shm://gpt-run) was closed" in str(raised.value), raised.value
+
+
+def test_loading_a_missing_or_incomplete_step_of_a_memory_tier_names_it_as_shm(shm) -> None:
+    """ckptio.load of a memory tier's step that was interrupted, or that is not there: the
+    error names shm://gpt-run/step-N as the user wrote it, not the directory."""
+    state = {"w": torch.arange(4.0)}
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://gpt-run")]) as mgr:
+        mgr.save(13, state)
+        mgr.save(14, state)
+    os.remove(os.path.join(shm, "gpt-run", "step-14", "manifest.json"))
+    with pytest.raises(ckptio.CkptError) as raised:
+        ckptio.load("shm://gpt-run/step-14", state)
+    said = str(raised.value)
+    assert said.startswith("shm://gpt-run/step-14 holds no committed manifest"), said
+    assert shm not in said, said
+    with pytest.raises(ckptio.CkptError) as raised:
+        ckptio.load("shm://gpt-run/step-99", state)
+    said = str(raised.value)
+    assert "no checkpoint at shm://gpt-run/step-99: the path does not exist" in said, said
+    assert shm not in said, said

@@ -48,6 +48,7 @@ from ckptio.storage.local import dirlock
 from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.local.local_claim import LocalClaim, digest_of
 from ckptio.storage.local.mapped import Mappings
+from ckptio.storage.local.local_urls import shm_url
 from ckptio.storage.steproot import is_tc_file
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
@@ -210,7 +211,8 @@ class LocalStore:
             broken = dirlock.broken_link(path)
             raise CheckpointNotFoundError(
                 f"no checkpoint at {path}: {broken}; fix the link or give its real path"
-                if broken else f"no checkpoint at {path}: the path does not exist{_nearby(path)}")
+                if broken else f"no checkpoint at {shm_url(path)}: the path does not exist"
+                f"{_nearby(path)}")
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path} is a file, not a ckptio checkpoint directory"
                                           f"{missing_manifest.file_hint(os.path.basename(path))}")
@@ -235,7 +237,7 @@ class LocalStore:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
         saving, ended, elsewhere = self.in_flight()
         return missing_manifest.no_manifest(
-            self.location, names,
+            shm_url(self.location), names,  # a memory tier's step: as the user names it
             lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),
             lambda name: holds_tc(os.path.join(self.directory, name)), saving, ended,
             elsewhere=elsewhere)
