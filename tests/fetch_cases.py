@@ -4,6 +4,7 @@ MiB (so a rank's pieces span several of the transfers' chunks), saved and protec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -78,6 +79,36 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
         mgr.close()
     return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
             "how": mgr.last_restore, "error": None}
+
+
+def restore_some_leave(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+                       leave: tuple[int, ...], peer_timeout_s: float) -> dict[str, Any]:
+    """restore() with ``peer_timeout_s``; the ranks of ``leave`` fail their part of the
+    rebuild's transfers as they enter it (torch's RuntimeError, as a link to a peer that
+    died fails, before any receive is posted) and stay alive; every rank then meets the
+    others at a barrier of the job's group (as a script's next collective) -> the error and
+    the seconds its restore took."""
+    _host(rank, base)
+    if rank in leave:
+        from ckptio.redundancy import stripes
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"rank {rank}: a link of the rebuild failed (test)")
+
+        stripes.run = fails  # type: ignore[assignment]
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    started = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        out["step"] = mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - started
+    torch.distributed.barrier()
+    mgr.close()
+    return out
 
 
 def restore_written_later(rank: int, world: int, base: str, disk: str, spec: str,

@@ -21,7 +21,8 @@ from ckptio.redundancy.budget import CHUNK
 from ckptio.redundancy.landing import StreamCheck
 from ckptio.redundancy.copy_fetch import Fetch, Receiving
 from tests.fetch_cases import (chains_in_order, restore, restore_a_holder_dies,
-                               restore_counted, restore_written_later, save)
+                               restore_counted, restore_some_leave, restore_written_later,
+                               save)
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -75,6 +76,26 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
     restored = run_ranks(4, restore, base, disk, "parity", 6, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+def test_a_rank_that_fails_its_part_of_the_rebuild_and_waits_elsewhere_stalls_no_one(
+        base, tmp_path):
+    """Parity(k=3) on 4 hosts, host 1 lost; ranks 2 and 3 fail their part of rank 1's rebuild
+    as they enter it (no receive posted) and then wait at the job's next collective. Before:
+    rank 0's sends to them (gloo sends only into a posted receive) waited the group's timeout,
+    step_timeout_s (30 minutes by default), while they waited for rank 0: the job hung. Now a
+    restore's sends and receives go over a group of peer_timeout_s: every rank raises
+    RankFailedError within it and the job goes on (its next collective completes)."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "parity", 6, timeout_s=TIMEOUT)
+    wipe_host(base, 1)
+    failed = run_ranks(4, restore_some_leave, base, disk, "parity", 6, (2, 3), 5.0,
+                       timeout_s=120)
+    for rank in range(4):
+        error = failed[rank]["error"]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "restoring from the memory of other hosts failed" in error, error
+        assert failed[rank]["seconds"] < 40, failed[rank]
 
 
 @pytest.mark.parametrize(("spec", "lost"), [("partners", 2), ("parity", 1)])

@@ -73,9 +73,11 @@ class Guard:
         self.peer_timeout_s = peer_timeout_s
         self.group = _job_group(peer_timeout_s, peer_timeout_s)
         self.control = _job_group(timeout_s, peer_timeout_s)
-        # steps()/latest(): a listing every rank answers at once, so a peer frozen (or not
-        # calling it at this point) is named after peer_timeout_s, not step_timeout_s
-        self.listing = _job_group(peer_timeout_s, peer_timeout_s)
+        # ``prompt``: the caller's thread's exchanges that every rank makes at once, the
+        # listing of steps()/latest() and a restore's sends and receives (rebuild.py, regrow.py,
+        # reshard_fetch.py): a peer frozen, or gone elsewhere after an error of its own (its
+        # receives never posted), fails them after peer_timeout_s, not step_timeout_s
+        self.prompt = _job_group(peer_timeout_s, peer_timeout_s)
         try:
             placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
         except RuntimeError as exc:  # torch.distributed's errors: a rank gone meanwhile
@@ -124,8 +126,8 @@ class Guard:
         self.protector.wait()
         self.settle()
         pieces = elastic.survey(self._restart_context())
-        recovery = recover(Context(self.spec, self.topology, self.control, self.rank,
-                                   self.root, self._own_dir, verify), own, anywhere, only,
+        recovery = recover(Context(self.spec, self.topology, self.control, self.prompt,
+                                   self.rank, self.root, self._own_dir, verify), own, anywhere, only,
                            {"others": others, "pieces": pieces})
         self._landings = list(recovery.pending)
         return recovery
@@ -155,15 +157,16 @@ class Guard:
                                [extra["pieces"] for extra in recovery.extras])
 
     def _restart_context(self) -> elastic.Context:
-        return elastic.Context(self.control, self.rank, self.world, self.topology, self.root)
+        return elastic.Context(self.control, self.prompt, self.rank, self.world, self.topology,
+                               self.root)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending; RankFailedError when the ranks do
         not all answer within peer_timeout_s (the listing group is unusable afterwards)."""
         try:
-            parts = peers.all_gather_json(self.listing, steps)
+            parts = peers.all_gather_json(self.prompt, steps)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-            gone = silent_ranks(self.topology.others(self.rank), self.listing)
+            gone = silent_ranks(self.topology.others(self.rank), self.prompt)
             raise RankFailedError(
                 f"rank {self.rank}: listing the steps every rank holds (steps(), latest()) got "
                 f"no answer from every rank within peer_timeout_s={self.peer_timeout_s:g} s: "
@@ -225,7 +228,7 @@ class Guard:
         """The gloo groups made here destroyed (each one's sockets, pipes and threads), on this
         rank alone: once the manager is closed nothing runs over them. Groups the job tore down
         already (destroy_process_group) are passed over."""
-        for group in (self.group, self.control, self.listing, self.single):
+        for group in (self.group, self.control, self.prompt, self.single):
             _destroy(group)
 
     def status(self) -> dict[int, dict[str, Any]]:

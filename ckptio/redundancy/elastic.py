@@ -56,7 +56,8 @@ MAX_ROUNDS = 16
 class Context:
     """What the restart needs of the Guard on this rank."""
 
-    group: Any  # the gloo control group
+    group: Any  # the gloo control group (its gathers)
+    transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
     rank: int
     world: int
     topology: Topology  # this job's hosts

@@ -63,7 +63,8 @@ class Context:
 
     spec: Partners | Parity
     topology: Topology
-    group: Any  # the gloo group
+    group: Any  # the gloo group of its gathers (the Guard's control group)
+    transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
     rank: int
     root: str  # the memory tier's local directory (marks.py's layout under it)
     own_dir: Callable[[int], str]  # step -> this rank's step directory
@@ -214,8 +215,8 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     src = sources[ctx.rank]
     out = _landing(ctx, step, src, metas)
     copies = copy_fetch.plan(step, sources, metas)
-    works = copy_fetch.send(ctx.group, ctx.rank, copies, payload, COPY_TAG)
-    got = copy_fetch.post(ctx.group, ctx.rank, copies, COPY_TAG, out)
+    works = copy_fetch.send(ctx.transfers, ctx.rank, copies, payload, COPY_TAG)
+    got = copy_fetch.post(ctx.transfers, ctx.rank, copies, COPY_TAG, out)
     chains = _chains(ctx, step, sources, metas)
     _count(ctx, chains, got)
     data = got.out if got is not None else out
@@ -227,7 +228,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
                                 marks.tree_of(ctx.own_dir(step)).location)
         except CkptError as exc:  # said as this item's failure once the transfers are done
             broken = exc
-    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
+    outcome = stripes.run(ctx.transfers, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
                           out, landed=None if check is None else check.landed)
     ctx.received += outcome.received
     if got is not None:

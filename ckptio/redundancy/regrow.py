@@ -152,7 +152,7 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore |
     info = next(meta for item, meta in metas.items() if item.startswith("block"))
     lost = info["lost"]
     out = torch.empty(lost["nbytes"], dtype=torch.uint8) if ctx.rank == task.receiver else None
-    outcome = stripes.run(ctx.group, ctx.rank, _chains(task, info), payload.__getitem__, out)
+    outcome = stripes.run(ctx.transfers, ctx.rank, _chains(task, info), payload.__getitem__, out)
     if outcome.error is not None:
         return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received, None
     if out is None:

@@ -192,11 +192,11 @@ def exchange(ctx: Any, choice: Choice, sections: dict[int, torch.Tensor],
              placed: list[Placed], out: torch.Tensor) -> int:
     """Step 3: send every rank its sections; receive each other holder's into ``out`` in
     place -> the bytes received."""
-    works = [peers.send(ctx.group, data, r) for r, data in sections.items() if r != ctx.rank]
+    works = [peers.send(ctx.transfers, data, r) for r, data in sections.items() if r != ctx.rank]
     received = 0
     for holder in sorted({_holder(choice, e[0]) for e in placed} - {ctx.rank}):
         _mine, lo, hi = section(choice, placed, holder)
-        peers.recv_into(ctx.group, out[lo:hi], holder)
+        peers.recv_into(ctx.transfers, out[lo:hi], holder)
         received += hi - lo
     for work in works:
         if work is not None:
