@@ -133,7 +133,8 @@ class Options:
         the same two deadlines.
     peer_timeout_s: with ``Tier(..., redundancy=...)``, the longest one transfer of the
         protection across hosts (a copy, a parity piece, the exchange of a step's metadata,
-        the listing of steps() / latest()) may wait for a peer: a peer that died or stopped
+        the listing of steps() / latest(), a restore's transfers from peers) may wait for a
+        peer: a peer that died or stopped
         answering makes the protection fail with RankFailedError naming it (stored: raised by
         protected() and close(), shown in status(); steps() raises it) instead of waiting. It
         must exceed the skew between the ranks' commits of one step (every rank's protection
