@@ -181,10 +181,11 @@ class Guard:
         try:
             return peers.all_gather_json(self.control, mine)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            own = f"; this rank's own failed: {mine['error']}" if mine.get("error") else ""
             raise RankFailedError(
                 f"rank {self.rank}: exchanging the ranks' outcomes of a restore got no answer "
                 f"from every rank: a rank died or gave no answer within step_timeout_s "
-                f"({type(exc).__name__}: {exc}); restart the job") from exc
+                f"({type(exc).__name__}: {exc}){own}; restart the job") from exc
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:
         """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
