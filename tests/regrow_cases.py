@@ -104,24 +104,27 @@ def restore_said(rank: int, world: int, base: str, disk: str, spec: str,
 
 
 def restore_one_fails(rank: int, world: int, base: str, disk: str, spec: str, failing: int,
-                      peer_timeout_s: float, step_timeout_s: float) -> dict[str, Any]:
-    """restore() with those deadlines; rank ``failing`` fails the restart's exchange as it ends
-    (torch's RuntimeError, as a wait on a link to a peer fails; its peers' parts done) and
-    stays alive; every rank then meets the others at a barrier of the job's group (as a
-    script's next collective) -> the error and the seconds its restore took."""
+                      peer_timeout_s: float, step_timeout_s: float,
+                      where: str = "reshard_fetch.exchange") -> dict[str, Any]:
+    """restore() with those deadlines; rank ``failing`` fails ``where`` (``module.function``
+    of ckptio.redundancy: the restart's exchange, or a rebuild's chains) as it ends (torch's
+    RuntimeError, as a wait on a link to a peer fails; its peers' parts done) and stays
+    alive; every rank then meets the others at a barrier of the job's group (as a script's
+    next collective) -> the error and the seconds its restore took."""
     import dataclasses
+    import importlib
 
     _play_host(rank, 1, base)
     if rank == failing:
-        from ckptio.redundancy import reshard_fetch
-
-        exchange = reshard_fetch.exchange
+        module, name = where.split(".")
+        owner = importlib.import_module(f"ckptio.redundancy.{module}")
+        done = getattr(owner, name)
 
         def fails(*args: Any, **kwargs: Any) -> Any:
-            exchange(*args, **kwargs)
+            done(*args, **kwargs)
             raise RuntimeError(f"rank {rank}: a link of the restart failed (test)")
 
-        reshard_fetch.exchange = fails  # type: ignore[assignment]
+        setattr(owner, name, fails)
     state = _state(world, rank, 0)
     state["w"].to_local().zero_()
     options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,

@@ -99,6 +99,26 @@ def test_a_rank_whose_restart_exchange_fails_stalls_no_rank_that_finished_its_ow
                        timeout_s=150)
     for rank in range(3):
         error = failed[rank]["error"]
+        assert failed[rank]["seconds"] < 30, failed[rank]
         assert error and error.startswith("RankFailedError"), (rank, failed[rank])
         assert "rank 1: a link of the restart failed" in error, (rank, error)
+
+
+def test_a_rank_whose_rebuild_of_a_lost_piece_fails_stalls_no_rank_that_finished_its_own(
+        base, tmp_path):
+    """Parity(k=3) on 4 hosts, host 3 lost, the job restarted on the 3 others: old rank 3's
+    piece is rebuilt along its stripes; rank 1's part of it fails as it ends (its peers'
+    parts done) and it waits at the job's next collective. Before: rank 1 raised
+    RankFailedError at once, while ranks 0 and 2 waited for it in the gather after the
+    rebuild until step_timeout_s (here 60 s). Now it says so in that gather: every rank
+    raises RankFailedError naming rank 1's error within seconds."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, train, base, disk, "parity-3", 3, timeout_s=TIMEOUT)
+    wipe_host(base, 3)
+    failed = run_ranks(3, restore_one_fails, base, disk, "parity-2", 1, 3.0, 60.0, "stripes.run",
+                       timeout_s=150)
+    for rank in range(3):
+        error = failed[rank]["error"]
         assert failed[rank]["seconds"] < 30, failed[rank]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "rank 1: RuntimeError: rank 1: a link of the restart failed" in error, (rank, error)
