@@ -117,18 +117,24 @@ class Guard:
                 if s is not None}
 
     def recover(self, own: list[int], anywhere: list[int], verify: Callable[[str], Any],
-                only: int | None, others: list[int]) -> Recovery:
+                only: int | None, others: list[int], failed: str | None = None) -> Recovery:
         """Collective (rebuild.recover): the memory step every rank now holds, or None.
         Rides on its inventory's gather (``Recovery.extras``, per rank): ``others`` (this
         rank's steps of another rank count) and the pieces its host's memory holds (elastic.
-        survey: what ``restart`` then searches, with no gather of its own)."""
+        survey: what ``restart`` then searches, with no gather of its own). ``failed``: this
+        rank's error before it (with the protection's or a landing's error raised here): said
+        there, RankFailedError on every rank."""
         assert self.protector is not None  # internal
-        self.protector.wait()
-        self.settle()
+        try:
+            self.protector.wait()
+            self.settle()
+        except Exception as exc:  # noqa: BLE001 - said at the inventory's gather, raised on
+            # every rank there: no rank waits for this one (step_timeout_s)
+            failed = failed or f"{type(exc).__name__}: {exc}"
         pieces = elastic.survey(self._restart_context())
         recovery = recover(Context(self.spec, self.topology, self.control, self.prompt,
                                    self.rank, self.root, self._own_dir, verify), own, anywhere, only,
-                           {"others": others, "pieces": pieces})
+                           {"others": others, "pieces": pieces}, failed)
         self._landings = list(recovery.pending)
         return recovery
 

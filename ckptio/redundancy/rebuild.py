@@ -77,11 +77,12 @@ class Context:
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None,
-            extra: Any = None) -> Recovery:
+            extra: Any = None, failed: str | None = None) -> Recovery:
     """Collective; -> the memory step every rank now holds (or None, with the lost hosts
     named). ``extra`` (JSON) rides on the inventory's gather: every rank's, in rank order, is
     ``Recovery.extras`` (the Guard's survey for a restart on another rank count, no gather of
-    its own):
+    its own); so does ``failed``, this rank's error before it (any rank's: RankFailedError on
+    every rank, naming it, before anything moves):
 
     1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
            slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
@@ -115,9 +116,10 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            lost (no step in memory at all) and the caller restores the newest step every rank holds
            in some tier (the disk tier, where more than m hosts of one parity group are lost).
     """
-    mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra}
+    mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra, "failed": failed}
     try:
         invs = peers.all_gather_json(ctx.group, mine)  # every rank's restore meets here
+        _raise_failed(ctx, {r: inv["failed"] for r, inv in enumerate(invs) if inv["failed"]})
         result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
                           extras=[inv["extra"] for inv in invs])
         result.lost_hosts = [ctx.topology.describe(h)
@@ -175,7 +177,8 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
         later = each == step  # the step loaded next: written while it loads (landing.py)
         merged = {item: why for part in peers.all_gather_json(
             ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
-        _raise_left(ctx, merged)
+        _raise_failed(ctx, {int(item[len(LEFT):]): why for item, why in merged.items()
+                            if item.startswith(LEFT)}, ctx.transfers)
         if merged:
             return merged
     return {}
@@ -265,17 +268,20 @@ def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, 
     return failures
 
 
-def _raise_left(ctx: Context, merged: dict[str, str]) -> None:
-    """RankFailedError, alike on every rank, where a rank's transfers failed (``LEFT``)."""
-    left = {int(item[len(LEFT):]): why for item, why in merged.items() if item.startswith(LEFT)}
-    if left:
-        gone = silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers)
-        raise RankFailedError(
-            f"rank {ctx.rank}: restoring from the memory of other hosts failed: the transfers "
-            f"failed on {'; '.join(f'rank {r}: {why}' for r, why in sorted(left.items()))}: "
-            f"{ctx.topology.name_ranks(gone) or 'a rank they exchange with'} died, failed its "
-            "part, or gave no answer within peer_timeout_s; nothing was loaded and every step in "
-            "memory is kept: restart the job", tuple(gone or sorted(left)))
+def _raise_failed(ctx: Context, failed: dict[int, str], transfers: Any = None) -> None:
+    """RankFailedError, alike on every rank, naming each rank's error: before the restore, or
+    in its ``transfers`` (then also the ranks that stopped beating, if any)."""
+    if not failed:
+        return
+    gone = [] if transfers is None else silent_ranks(ctx.topology.others(ctx.rank), transfers)
+    why = "" if transfers is None else (
+        f" (in its transfers: {ctx.topology.name_ranks(gone) or 'a rank it exchanges with'} "
+        "died, failed its part, or gave no answer within peer_timeout_s)")
+    raise RankFailedError(
+        f"rank {ctx.rank}: restoring from the memory of other hosts failed on "
+        f"{'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}{why}; nothing was "
+        "loaded and every step in memory is kept: fix that error, or restart the job",
+        tuple(gone))
 
 
 def _landing(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> torch.Tensor | None:

@@ -138,7 +138,7 @@ def _raise_left(ctx: Any, task: Regrowth, failures: dict[str, str]) -> None:
             f"parity failed on {'; '.join(f'rank {r}: {why}' for r, why in sorted(left.items()))}"
             ": a rank it exchanges with died, failed its part, or gave no answer within "
             "peer_timeout_s; nothing was loaded and every piece in memory is kept: restart the "
-            "job", tuple(sorted(int(r) for r in left)))
+            "job")
 
 
 def _world(reports: list[list[Found]], step: int) -> int:
