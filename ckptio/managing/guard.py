@@ -125,13 +125,14 @@ class Guard:
         rank's error before it (with the protection's or a landing's error raised here): said
         there, RankFailedError on every rank."""
         assert self.protector is not None  # internal
+        pieces: list[Any] = []
         try:
             self.protector.wait()
             self.settle()
+            pieces = elastic.survey(self._restart_context())
         except Exception as exc:  # noqa: BLE001 - said at the inventory's gather, raised on
             # every rank there: no rank waits for this one (step_timeout_s)
             failed = failed or f"{type(exc).__name__}: {exc}"
-        pieces = elastic.survey(self._restart_context())
         recovery = recover(Context(self.spec, self.topology, self.control, self.prompt,
                                    self.rank, self.root, self._own_dir, verify), own, anywhere, only,
                            {"others": others, "pieces": pieces}, failed)

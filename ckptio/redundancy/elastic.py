@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, RankFailedError, StateMismatchError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import ObjectEntry
@@ -195,7 +196,10 @@ class Restart:
             received = exchange.exchange(ctx, choice, payloads, placed, out)
         except RuntimeError as exc:  # torch.distributed's: raised by install(), in the load
             # whose outcomes every rank exchanges (managing/agreed.py), so the ranks that
-            # finished their exchange do not wait for this one there until step_timeout_s
+            # finished their exchange do not wait for this one there until step_timeout_s; a
+            # peer that died or froze would keep that exchange waiting: raised here
+            if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+                raise
             return Fetched(choice, placed, objects, out, mine, self.received,
                            _failed(ctx, f"fetching step {choice.step}", exc))
         return Fetched(choice, placed, objects, out, mine, self.received + received)

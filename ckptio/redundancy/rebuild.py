@@ -216,7 +216,11 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     try:
         return _move(ctx, step, sources, metas, sends, payload, later)
     except Exception as exc:  # noqa: BLE001 - the others wait for this rank in the next
-        # gather (step_timeout_s): it goes there and says it, so every rank raises at once
+        # gather (step_timeout_s): it goes there and says it, so every rank raises at once;
+        # but a peer that died or froze would keep that gather waiting: raised (recover names it)
+        if isinstance(exc, RuntimeError) and silent_ranks(ctx.topology.others(ctx.rank),
+                                                          ctx.transfers):
+            raise
         return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.redundancy import marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
@@ -172,7 +173,10 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore |
         outcome = stripes.run(ctx.transfers, ctx.rank, _chains(task, info), payload.__getitem__,
                               out)
     except RuntimeError as exc:  # torch.distributed's: said in the gather after it, where the
-        # others wait for this rank (step_timeout_s), so every rank raises at once
+        # others wait for this rank (step_timeout_s), so every rank raises at once; a peer
+        # that died or froze would keep that gather waiting: raised (elastic.py names it)
+        if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+            raise
         return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}, 0, None
     if outcome.error is not None:
         return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received, None
