@@ -82,22 +82,33 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
 
 
 def restore_some_leave(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
-                       leave: tuple[int, ...], peer_timeout_s: float) -> dict[str, Any]:
-    """restore() with ``peer_timeout_s``; the ranks of ``leave`` fail their part of the
-    rebuild's transfers as they enter it (torch's RuntimeError, as a link to a peer that
-    died fails, before any receive is posted) and stay alive; every rank then meets the
-    others at a barrier of the job's group (as a script's next collective) -> the error and
-    the seconds its restore took."""
+                       leave: tuple[int, ...], peer_timeout_s: float,
+                       where: str = "stripes.run",
+                       step_timeout_s: float = OPTS.step_timeout_s) -> dict[str, Any]:
+    """restore() with ``peer_timeout_s`` and ``step_timeout_s``; the ranks of ``leave`` fail
+    their part of the rebuild's transfers as they enter ``where`` (``module.function`` of
+    ckptio.redundancy: torch's RuntimeError, as a link to a peer that died fails, before any
+    receive is posted; ``protect.Protector.wait``: a CkptError, as the protection's error
+    raised at the restore) and stay alive; every rank then meets the others at a barrier of the
+    job's group (as a script's next collective) -> the error and the seconds its restore
+    took."""
     _host(rank, base)
     if rank in leave:
-        from ckptio.redundancy import stripes
+        import importlib
+
+        module, *names = where.split(".")
+        owner = importlib.import_module(f"ckptio.redundancy.{module}")
+        for each in names[:-1]:  # a class's method: protect.Protector.wait
+            owner = getattr(owner, each)
 
         def fails(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(f"rank {rank}: a link of the rebuild failed (test)")
+            raise (RuntimeError if module != "protect" else ckptio.errors.CkptError)(
+                f"rank {rank}: a link of the rebuild failed (test)")
 
-        stripes.run = fails  # type: ignore[assignment]
+        setattr(owner, names[-1], fails)
     state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
-    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,
+                                  step_timeout_s=step_timeout_s)
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
     started = time.monotonic()
     out: dict[str, Any] = {"error": None}

@@ -101,3 +101,42 @@ def restore_said(rank: int, world: int, base: str, disk: str, spec: str,
 
     logging.getLogger("ckptio").addHandler(Said(logging.WARNING))
     return {**restore(rank, world, base, disk, spec, per_host=per_host), "said": said}
+
+
+def restore_one_fails(rank: int, world: int, base: str, disk: str, spec: str, failing: int,
+                      peer_timeout_s: float, step_timeout_s: float,
+                      where: str = "reshard_fetch.exchange") -> dict[str, Any]:
+    """restore() with those deadlines; rank ``failing`` fails ``where`` (``module.function``
+    of ckptio.redundancy: the restart's exchange, or a rebuild's chains) as it ends (torch's
+    RuntimeError, as a wait on a link to a peer fails; its peers' parts done) and stays
+    alive; every rank then meets the others at a barrier of the job's group (as a script's
+    next collective) -> the error and the seconds its restore took."""
+    import dataclasses
+    import importlib
+
+    _play_host(rank, 1, base)
+    if rank == failing:
+        module, name = where.split(".")
+        owner = importlib.import_module(f"ckptio.redundancy.{module}")
+        done = getattr(owner, name)
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            done(*args, **kwargs)
+            raise RuntimeError(f"rank {rank}: a link of the restart failed (test)")
+
+        setattr(owner, name, fails)
+    state = _state(world, rank, 0)
+    state["w"].to_local().zero_()
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,
+                                  step_timeout_s=step_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    started = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        out["step"] = mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - started
+    torch.distributed.barrier()
+    mgr.close()
+    return out

@@ -98,6 +98,45 @@ def test_a_rank_that_fails_its_part_of_the_rebuild_and_waits_elsewhere_stalls_no
         assert failed[rank]["seconds"] < 40, failed[rank]
 
 
+def test_a_rank_that_fails_its_part_of_a_copys_transfer_stalls_no_rank_outside_it(
+        base, tmp_path):
+    """Partners(1) on 4 hosts, host 1 lost: rank 2 sends rank 1 its copy, ranks 0 and 3 move
+    nothing. Rank 1 fails its part as it enters it (no receive posted) and waits at the
+    job's next collective. Before: ranks 1 and 2 raised RankFailedError (rank 2's sends after
+    peer_timeout_s) and went on, while ranks 0 and 3 waited for them in the gather after the
+    transfers, whose timeout is step_timeout_s (here 60 s; 30 minutes by default). Now a
+    rank whose transfers fail says so in that gather: every rank raises within seconds."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "partners", 2, timeout_s=TIMEOUT)
+    wipe_host(base, 1)
+    failed = run_ranks(4, restore_some_leave, base, disk, "partners", 2, (1,), 3.0,
+                       "copy_fetch.send", 60.0, timeout_s=150)
+    for rank in range(4):
+        error = failed[rank]["error"]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "restoring from the memory of other hosts failed" in error, error
+        assert failed[rank]["seconds"] < 30, failed[rank]
+    assert "rank 1: RuntimeError: rank 1: a link of the rebuild failed" in failed[0]["error"]
+
+
+def test_a_rank_whose_protection_error_fails_its_restore_stalls_no_one(base, tmp_path):
+    """Partners(1) on 4 hosts, nothing lost; rank 1's restore raises its protection's error
+    (Protector.wait, as a step's protection failed on its rank alone) and it waits at the
+    job's next collective. Before: rank 1 raised that error as it entered the restore, while
+    ranks 0, 2 and 3 waited for it in the inventory's gather until step_timeout_s (here
+    60 s; 30 minutes by default). Now it says so at that gather: every rank raises
+    RankFailedError naming rank 1's error within seconds."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "partners", 1, timeout_s=TIMEOUT)
+    failed = run_ranks(4, restore_some_leave, base, disk, "partners", 1, (1,), 3.0,
+                       "protect.Protector.wait", 60.0, timeout_s=150)
+    for rank in range(4):
+        error = failed[rank]["error"]
+        assert failed[rank]["seconds"] < 30, failed[rank]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "rank 1: CkptError: rank 1: a link of the rebuild failed" in error, error
+
+
 @pytest.mark.parametrize(("spec", "lost"), [("partners", 2), ("parity", 1)])
 def test_a_lost_ranks_step_is_loaded_from_memory_and_written_after(base, tmp_path, spec, lost):
     """Before: the lost rank wrote its received step into its memory tier, then loaded it from

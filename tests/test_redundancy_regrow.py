@@ -15,7 +15,7 @@ import pytest
 
 from ckptio.testing.rank_processes import run_ranks
 from tests.redundancy_cases import host_dir, wipe_host
-from tests.regrow_cases import ROW_NBYTES, restore, train
+from tests.regrow_cases import ROW_NBYTES, restore, restore_one_fails, train
 
 TIMEOUT = 240
 
@@ -83,3 +83,42 @@ def test_a_holder_killed_during_a_restarts_fetch_is_named_and_nothing_is_loaded(
     assert "fetching step 3 from the memory of other hosts" in failed[0]["error"], failed[0]
     restored = run_ranks(3, restore, base, disk, "partners-1", timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 3 for r in restored), restored
+
+
+def test_a_rank_whose_restart_exchange_fails_stalls_no_rank_that_finished_its_own(base, tmp_path):
+    """A restart on 3 of 4 hosts (Partners(1)); rank 1's exchange fails as it ends (its
+    peers' parts done) and it waits at the job's next collective. Before: rank 1 raised
+    RankFailedError at once, while ranks 0 and 2, their exchanges complete, loaded and
+    waited for it in the exchange of the load's outcomes until step_timeout_s (here 60 s;
+    30 minutes by default). Now a rank whose exchange fails takes that exchange, its error
+    its outcome: every rank raises RankFailedError naming rank 1's error within seconds."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, train, base, disk, "partners-1", 3, timeout_s=TIMEOUT)
+    wipe_host(base, 3)
+    failed = run_ranks(3, restore_one_fails, base, disk, "partners-1", 1, 3.0, 60.0,
+                       timeout_s=150)
+    for rank in range(3):
+        error = failed[rank]["error"]
+        assert failed[rank]["seconds"] < 30, failed[rank]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "rank 1: a link of the restart failed" in error, (rank, error)
+
+
+def test_a_rank_whose_rebuild_of_a_lost_piece_fails_stalls_no_rank_that_finished_its_own(
+        base, tmp_path):
+    """Parity(k=3) on 4 hosts, host 3 lost, the job restarted on the 3 others: old rank 3's
+    piece is rebuilt along its stripes; rank 1's part of it fails as it ends (its peers'
+    parts done) and it waits at the job's next collective. Before: rank 1 raised
+    RankFailedError at once, while ranks 0 and 2 waited for it in the gather after the
+    rebuild until step_timeout_s (here 60 s). Now it says so in that gather: every rank
+    raises RankFailedError naming rank 1's error within seconds."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, train, base, disk, "parity-3", 3, timeout_s=TIMEOUT)
+    wipe_host(base, 3)
+    failed = run_ranks(3, restore_one_fails, base, disk, "parity-2", 1, 3.0, 60.0, "stripes.run",
+                       timeout_s=150)
+    for rank in range(3):
+        error = failed[rank]["error"]
+        assert failed[rank]["seconds"] < 30, failed[rank]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "rank 1: RuntimeError: rank 1: a link of the restart failed" in error, (rank, error)

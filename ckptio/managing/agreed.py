@@ -55,10 +55,15 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     replace a step a load found damaged. Every tier is listed once (those newer steps are
     read from the same listing: the restore commits no newer step in the first tier)."""
     started = time.perf_counter()
-    guard.settle()  # a previous restore's step still being written: listed once written
+    failed = None
+    try:
+        guard.settle()  # a previous restore's step still being written: listed once written
+    except Exception as exc:  # noqa: BLE001 - said to every rank at the inventory and raised
+        # there (guard.recover): no rank waits for this one (step_timeout_s)
+        failed = f"{type(exc).__name__}: {exc}"
     listing = listings()
     record = _restore(guard, levels, listing, listings, verify, state, step, load_kwargs,
-                      started)
+                      started, failed=failed)
     if record is not None and step is None:
         for level, tier in zip(levels, listing):
             for newer in (s for s in tier["committed"] if s > record["step"]):
@@ -70,19 +75,20 @@ def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, 
              listings: Callable[[], list[dict[str, list[Any]]]],
              verify: Callable[[str], Any], state: Any, step: int | None,
              load_kwargs: dict[str, Any], started: float,
-             damaged: int | None = None, passed: list[str] | None = None
-             ) -> dict[str, Any] | None:
+             damaged: int | None = None, passed: list[str] | None = None,
+             failed: str | None = None) -> dict[str, Any] | None:
     """restore_guarded's restore, from ``listing`` (every tier's steps, listed once);
     ``listings()`` lists them anew for the fallback to slower tiers. ``damaged``: the step
     whose load from this rank's memory found it damaged (the restore made again, once,
     with that copy counted as lost: a partner's copy or its parity rebuild it, else the
-    fallback leaves it out); ``passed``: what the first try passed over."""
+    fallback leaves it out); ``passed``: what the first try passed over; ``failed``: this
+    rank's error before (its landing's write: guard.recover says it to every rank)."""
     others = set[int]()
     kept = [_this_world(level, tier["committed"], guard.world, others)  # each manifest once
             for level, tier in zip(levels, listing)]
     kept[0] = [s for s in kept[0] if s != damaged]
     own, anywhere = kept[0], sorted({s for steps in kept for s in steps})
-    recovery = guard.recover(own, anywhere, verify, step, sorted(others))
+    recovery = guard.recover(own, anywhere, verify, step, sorted(others), failed)
     # every rank's, gathered with the inventory: alike on every rank, one outcome everywhere
     others = {s for extra in recovery.extras for s in extra["others"]}
     fallback = fallback_step(recovery, step)

@@ -117,18 +117,25 @@ class Guard:
                 if s is not None}
 
     def recover(self, own: list[int], anywhere: list[int], verify: Callable[[str], Any],
-                only: int | None, others: list[int]) -> Recovery:
+                only: int | None, others: list[int], failed: str | None = None) -> Recovery:
         """Collective (rebuild.recover): the memory step every rank now holds, or None.
         Rides on its inventory's gather (``Recovery.extras``, per rank): ``others`` (this
         rank's steps of another rank count) and the pieces its host's memory holds (elastic.
-        survey: what ``restart`` then searches, with no gather of its own)."""
+        survey: what ``restart`` then searches, with no gather of its own). ``failed``: this
+        rank's error before it (with the protection's or a landing's error raised here): said
+        there, RankFailedError on every rank."""
         assert self.protector is not None  # internal
-        self.protector.wait()
-        self.settle()
-        pieces = elastic.survey(self._restart_context())
+        pieces: list[Any] = []
+        try:
+            self.protector.wait()
+            self.settle()
+            pieces = elastic.survey(self._restart_context())
+        except Exception as exc:  # noqa: BLE001 - said at the inventory's gather, raised on
+            # every rank there: no rank waits for this one (step_timeout_s)
+            failed = failed or f"{type(exc).__name__}: {exc}"
         recovery = recover(Context(self.spec, self.topology, self.control, self.prompt,
                                    self.rank, self.root, self._own_dir, verify), own, anywhere, only,
-                           {"others": others, "pieces": pieces})
+                           {"others": others, "pieces": pieces}, failed)
         self._landings = list(recovery.pending)
         return recovery
 
@@ -181,10 +188,11 @@ class Guard:
         try:
             return peers.all_gather_json(self.control, mine)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            own = f"; this rank's own failed: {mine['error']}" if mine.get("error") else ""
             raise RankFailedError(
                 f"rank {self.rank}: exchanging the ranks' outcomes of a restore got no answer "
                 f"from every rank: a rank died or gave no answer within step_timeout_s "
-                f"({type(exc).__name__}: {exc}); restart the job") from exc
+                f"({type(exc).__name__}: {exc}){own}; restart the job") from exc
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:
         """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``

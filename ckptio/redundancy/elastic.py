@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, RankFailedError, StateMismatchError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import ObjectEntry
@@ -158,7 +159,8 @@ class Restart:
         checked by its holder) -> Fetched (``install`` it, load it, remove it); None when a
         piece failed (passed over: call ``next`` again). A state the step cannot be
         resharded into: StateMismatchError, on every rank; a rank gone during the exchange:
-        RankFailedError, nothing installed."""
+        RankFailedError, nothing installed (its sends' or receives' failure: raised by
+        ``install``, in the load whose outcome every rank exchanges: no rank left waiting)."""
         with _named(self.ctx, f"fetching step {choice.step}"):
             return self._fetch(choice, state, load_kwargs)
 
@@ -190,12 +192,23 @@ class Restart:
         if bad:
             self._pass_over(choice.step, choice.sources, {int(k): w for k, w in bad.items()})
             return None
-        received = exchange.exchange(ctx, choice, payloads, placed, out)
+        try:
+            received = exchange.exchange(ctx, choice, payloads, placed, out)
+        except RuntimeError as exc:  # torch.distributed's: raised by install(), in the load
+            # whose outcomes every rank exchanges (managing/agreed.py), so the ranks that
+            # finished their exchange do not wait for this one there until step_timeout_s; a
+            # peer that died or froze would keep that exchange waiting: raised here
+            if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+                raise
+            return Fetched(choice, placed, objects, out, mine, self.received,
+                           _failed(ctx, f"fetching step {choice.step}", exc))
         return Fetched(choice, placed, objects, out, mine, self.received + received)
 
     def install(self, fetched: Fetched) -> TreeStore:
         """What this rank received as a checkpoint in this process's memory -> its store
-        (remove it after the load)."""
+        (remove it after the load). The RankFailedError of its exchange, if it failed."""
+        if fetched.error is not None:
+            raise fetched.error
         return exchange.install(self.ctx, fetched)
 
     def close(self) -> None:
@@ -209,9 +222,14 @@ def _named(ctx: Context, what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-        raise RankFailedError(
-            f"rank {ctx.rank}: a restart on {ctx.world} ranks failed {what} from the memory of "
-            f"other hosts: a rank holding pieces of it or receiving its part died or gave no "
-            f"answer within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded "
-            "and every piece in memory is kept: restart the job (the restore is made again "
-            "with the ranks alive then)") from exc
+        raise _failed(ctx, what, exc) from exc
+
+
+def _failed(ctx: Context, what: str, exc: RuntimeError) -> RankFailedError:
+    return RankFailedError(
+        f"rank {ctx.rank}: a restart on {ctx.world} ranks failed {what} from the memory of "
+        f"other hosts: a rank holding pieces of it or receiving its part died or gave no "
+        f"answer in time (peer_timeout_s for a transfer, step_timeout_s for an exchange of "
+        f"what the ranks hold) ({type(exc).__name__}: {exc}); nothing was loaded "
+        "and every piece in memory is kept: restart the job (the restore is made again "
+        "with the ranks alive then)")

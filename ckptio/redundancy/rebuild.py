@@ -36,6 +36,7 @@ __all__ = ["Context", "Recovery", "recover"]
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
 COPY_TAG = 1  # a partner copy's chunks (the parity chains' tags: stripes.TAG_BASE on)
+LEFT = "left:r"  # + a rank: its transfers failed (said in the gather after them, not raised)
 
 
 @dataclass
@@ -76,11 +77,12 @@ class Context:
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None,
-            extra: Any = None) -> Recovery:
+            extra: Any = None, failed: str | None = None) -> Recovery:
     """Collective; -> the memory step every rank now holds (or None, with the lost hosts
     named). ``extra`` (JSON) rides on the inventory's gather: every rank's, in rank order, is
     ``Recovery.extras`` (the Guard's survey for a restart on another rank count, no gather of
-    its own):
+    its own); so does ``failed``, this rank's error before it (any rank's: RankFailedError on
+    every rank, naming it, before anything moves):
 
     1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
            slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
@@ -96,28 +98,28 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            copy at once, each sending its share of its chunks (copy_fetch.py); a rank rebuilt
            from parity receives only its own pieces, each summed along its stripe's survivors
            (stripes.py). The receiver **checks every entry against the original's manifest**
-           in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
-           of the written step), writes it into ``r<rank>/.rebuild-step-N`` (on tmpfs its
-           chunks land in that directory's data file itself, peers.landing_buffer: the write
-           is its manifest) and only then moves it to its ``step-N`` (one rename); the step
-           the load takes next, where the in-memory check was all, is offered to the load
-           from memory (not checked again) and written so in the background once loaded
-           instead (landing.py:
-           ``Recovery.landed``; the Guard starts ``Recovery.pending``'s writes after the load
-           and settles them before the tier is used again). A delta step rebuilt so needs its
-           base: the base is brought back first, the same way (the protection keeps a
-           protected delta's base's: protect.py). A rank gone during the transfers:
-           RankFailedError on the others naming
-           the ranks that stopped beating (distributed/dist.py silent_ranks) and torch's error.
+           in memory as it lands (landing.StreamCheck; where its manifest needs more,
+           Checkpointer.verify of the written step), writes it into ``r<rank>/.rebuild-step-N``
+           (on tmpfs its chunks land in that directory's data file itself, peers.landing_buffer:
+           the write is its manifest) and only then moves it to its ``step-N`` (one rename);
+           the step the load takes next, where the in-memory check was all, is offered to the
+           load from memory (not checked again) and written so in the background once loaded
+           instead (landing.py: ``Recovery.landed``; the Guard starts ``Recovery.pending``'s
+           writes after the load and settles them before the tier is used again). A delta
+           step rebuilt so needs its base: the base is brought back first, the same way (the
+           protection keeps a protected delta's base's: protect.py). A rank whose transfers
+           fail (a peer gone or silent past peer_timeout_s, an error of its own) says so in the
+           gather after them: RankFailedError on every rank, naming it (dist.py silent_ranks).
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are
            lost (no step in memory at all) and the caller restores the newest step every rank holds
            in some tier (the disk tier, where more than m hosts of one parity group are lost).
     """
-    mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra}
+    mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra, "failed": failed}
     try:
         invs = peers.all_gather_json(ctx.group, mine)  # every rank's restore meets here
+        _raise_failed(ctx, {r: inv["failed"] for r, inv in enumerate(invs) if inv["failed"]})
         result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
                           extras=[inv["extra"] for inv in invs])
         result.lost_hosts = [ctx.topology.describe(h)
@@ -143,8 +145,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     return result
 
 
-def _rounds(ctx: Context, invs: list[dict[str, Any]], result: Recovery,
-            only: int | None) -> None:
+def _rounds(ctx: Context, invs: list[dict[str, Any]], result: Recovery, only: int | None) -> None:
     """Steps 2-4 into ``result``: plan, transfer, and plan again past each bad item."""
     bad: set[str] = set()
     for _ in range(MAX_ROUNDS):
@@ -173,10 +174,11 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
     for each, each_sources in rounds:
         if all(src[0] == "own" for src in each_sources.values()):
             continue  # nothing to move: alike on every rank, so no gather either
-        merged: dict[str, str] = {}
         later = each == step  # the step loaded next: written while it loads (landing.py)
-        for part in peers.all_gather_json(ctx.group, _transfer(ctx, each, each_sources, later)):
-            merged.update(part)
+        merged = {item: why for part in peers.all_gather_json(
+            ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
+        _raise_failed(ctx, {int(item[len(LEFT):]): why for item, why in merged.items()
+                            if item.startswith(LEFT)}, ctx.transfers)
         if merged:
             return merged
     return {}
@@ -206,12 +208,27 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             mine[item], data = _read_item(ctx, item, step)
             if data is not None:
                 payload[item] = data
-    metas: dict[str, Any] = {}
-    for part in peers.all_gather_json(ctx.group, mine):
-        metas.update(part)
+    metas = {item: meta for part in peers.all_gather_json(ctx.group, mine)
+             for item, meta in part.items()}
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
         return failures  # alike on every rank: the plan is made again, nothing moved
+    try:
+        return _move(ctx, step, sources, metas, sends, payload, later)
+    except Exception as exc:  # noqa: BLE001 - the others wait for this rank in the next
+        # gather (step_timeout_s): it goes there and says it, so every rank raises at once;
+        # but a peer that died or froze would keep that gather waiting: raised (recover names it)
+        if isinstance(exc, RuntimeError) and silent_ranks(ctx.topology.others(ctx.rank),
+                                                          ctx.transfers):
+            raise
+        return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}
+
+
+def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, Any],
+          sends: list[tuple[int, int, str]], payload: dict[str, torch.Tensor],
+          later: bool) -> dict[str, str]:
+    """_transfer's moves, every item's metadata good -> {bad item: why}."""
+    failures: dict[str, str] = {}
     src = sources[ctx.rank]
     out = _landing(ctx, step, src, metas)
     copies = copy_fetch.plan(step, sources, metas)
@@ -255,6 +272,22 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     return failures
 
 
+def _raise_failed(ctx: Context, failed: dict[int, str], transfers: Any = None) -> None:
+    """RankFailedError, alike on every rank, naming each rank's error: before the restore, or
+    in its ``transfers`` (then also the ranks that stopped beating, if any)."""
+    if not failed:
+        return
+    gone = [] if transfers is None else silent_ranks(ctx.topology.others(ctx.rank), transfers)
+    why = "" if transfers is None else (
+        f" (in its transfers: {ctx.topology.name_ranks(gone) or 'a rank it exchanges with'} "
+        "died, failed its part, or gave no answer within peer_timeout_s)")
+    raise RankFailedError(
+        f"rank {ctx.rank}: restoring from the memory of other hosts failed on "
+        f"{'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}{why}; nothing was "
+        "loaded and every step in memory is kept: fix that error, or restart the job",
+        tuple(gone))
+
+
 def _landing(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> torch.Tensor | None:
     """This rank's step's bytes to receive into (None: it receives none): the data file of
     its scratch directory where the step can land in place (peers.landing_buffer: installing
@@ -285,8 +318,7 @@ def _drop_placed(ctx: Context) -> None:
         ctx.placed = None
 
 
-def _count(ctx: Context, chains: list[stripes.Chain],
-           got: copy_fetch.Receiving | None) -> None:
+def _count(ctx: Context, chains: list[stripes.Chain], got: copy_fetch.Receiving | None) -> None:
     """The bytes this rank receives of its step this round, per sending rank."""
     senders = got.received_from() if got is not None else {}
     for chain in chains:

@@ -17,7 +17,9 @@ the restart has loaded:
    memory (reshard_fetch.store_of, kind "rebuilt"): ``Regrown.found`` offers it to the
    restart's plan as held by the receiver, with no survey again (the restart checks every
    range it reads against its checksums, the load the rest);
-4. a rebuild that fails is named in ``skipped`` and passed over (an older step, or none).
+4. a rebuild that fails is named in ``skipped`` and passed over (an older step, or none); a
+   rank whose transfers fail (a peer gone or silent past peer_timeout_s) says so in the
+   gather after them: RankFailedError on every rank at once.
 
 Owns: the parity survey, the rebuild's exchange and the rebuilt pieces until ``close``. Does
 not own: the plan (pieces.py), the chains and the code (stripes.py, erasure.py), the restart
@@ -34,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.distributed.dist import silent_ranks
+from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.redundancy import marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
 from ckptio.redundancy.reshard_fetch import store_of
@@ -45,6 +48,7 @@ __all__ = ["Regrown", "regrow"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 8
+LEFT = "left:r"  # + a rank: its transfers failed (said in the gather after them, not raised)
 
 
 def survey_blocks(root: str, first: bool) -> list[Held]:
@@ -103,6 +107,7 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
                 failures: dict[str, str] = {}
                 for part in peers.all_gather_json(ctx.group, mine):
                     failures.update(part)
+                _raise_left(ctx, task, failures)
             except BaseException:  # a rank gone (elastic.py names it): no piece kept
                 out.stores += kept
                 out.close()
@@ -123,6 +128,18 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
                     [step, task.rank, _world(reports, step), "rebuilt"])
             return out
     return out
+
+
+def _raise_left(ctx: Any, task: Regrowth, failures: dict[str, str]) -> None:
+    """RankFailedError, alike on every rank, where a rank's transfers failed (``LEFT``)."""
+    left = {item[len(LEFT):]: why for item, why in failures.items() if item.startswith(LEFT)}
+    if left:
+        raise RankFailedError(
+            f"rank {ctx.rank}: rebuilding rank {task.rank}'s piece of step {task.step} from "
+            f"parity failed on {'; '.join(f'rank {r}: {why}' for r, why in sorted(left.items()))}"
+            ": a rank it exchanges with died, failed its part, or gave no answer within "
+            "peer_timeout_s; nothing was loaded and every piece in memory is kept: restart the "
+            "job")
 
 
 def _world(reports: list[list[Found]], step: int) -> int:
@@ -152,7 +169,15 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore |
     info = next(meta for item, meta in metas.items() if item.startswith("block"))
     lost = info["lost"]
     out = torch.empty(lost["nbytes"], dtype=torch.uint8) if ctx.rank == task.receiver else None
-    outcome = stripes.run(ctx.transfers, ctx.rank, _chains(task, info), payload.__getitem__, out)
+    try:
+        outcome = stripes.run(ctx.transfers, ctx.rank, _chains(task, info), payload.__getitem__,
+                              out)
+    except RuntimeError as exc:  # torch.distributed's: said in the gather after it, where the
+        # others wait for this rank (step_timeout_s), so every rank raises at once; a peer
+        # that died or froze would keep that gather waiting: raised (elastic.py names it)
+        if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+            raise
+        return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}, 0, None
     if outcome.error is not None:
         return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received, None
     if out is None:

@@ -53,6 +53,7 @@ class Fetched:
     data: torch.Tensor
     sums: list[Sums]
     received: int
+    error: CkptError | None = None  # its exchange failed: raised where it is installed
 
 
 def store_of(root: str, step: int, k: int, kind: str) -> TreeStore:
