@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 
-from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, RankFailedError, StateMismatchError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import ObjectEntry
 from ckptio.storage.store_contract import TreeStore
-from ckptio.redundancy import marks, peers
+from ckptio.redundancy import left, marks, peers
 from ckptio.redundancy import reshard_fetch as exchange
 from ckptio.redundancy.reshard_fetch import Fetched
 from ckptio.redundancy.pieces import Choice, Found, Source, item_id, merged, needed, plan
@@ -198,7 +197,7 @@ class Restart:
             # whose outcomes every rank exchanges (managing/agreed.py), so the ranks that
             # finished their exchange do not wait for this one there until step_timeout_s; a
             # peer that died or froze would keep that exchange waiting: raised here
-            if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+            if left.peer_gone(ctx, exc):
                 raise
             return Fetched(choice, placed, objects, out, mine, self.received,
                            _failed(ctx, f"fetching step {choice.step}", exc))

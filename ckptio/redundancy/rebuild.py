@@ -23,7 +23,7 @@ import torch
 
 from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
-from ckptio.redundancy import copy_fetch, marks, peers, stripes
+from ckptio.redundancy import copy_fetch, left, marks, peers, stripes
 from ckptio.redundancy.landing import Landing, StreamCheck, now
 from ckptio.redundancy.recovery_plan import (Source, base_rounds, copy_id, describe_item, inventory,
                                           parity_id, plan)
@@ -36,7 +36,7 @@ __all__ = ["Context", "Recovery", "recover"]
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
 COPY_TAG = 1  # a partner copy's chunks (the parity chains' tags: stripes.TAG_BASE on)
-LEFT = "left:r"  # + a rank: its transfers failed (said in the gather after them, not raised)
+WHAT = "restoring from the memory of other hosts"
 
 
 @dataclass
@@ -119,7 +119,8 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra, "failed": failed}
     try:
         invs = peers.all_gather_json(ctx.group, mine)  # every rank's restore meets here
-        _raise_failed(ctx, {r: inv["failed"] for r, inv in enumerate(invs) if inv["failed"]})
+        left.raise_said(ctx, {r: inv["failed"] for r, inv in enumerate(invs) if inv["failed"]},
+                        WHAT)
         result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
                           extras=[inv["extra"] for inv in invs])
         result.lost_hosts = [ctx.topology.describe(h)
@@ -177,8 +178,7 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
         later = each == step  # the step loaded next: written while it loads (landing.py)
         merged = {item: why for part in peers.all_gather_json(
             ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
-        _raise_failed(ctx, {int(item[len(LEFT):]): why for item, why in merged.items()
-                            if item.startswith(LEFT)}, ctx.transfers)
+        left.raise_said(ctx, left.said_by(merged), WHAT, ctx.transfers)
         if merged:
             return merged
     return {}
@@ -215,13 +215,11 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
         return failures  # alike on every rank: the plan is made again, nothing moved
     try:
         return _move(ctx, step, sources, metas, sends, payload, later)
-    except Exception as exc:  # noqa: BLE001 - the others wait for this rank in the next
-        # gather (step_timeout_s): it goes there and says it, so every rank raises at once;
-        # but a peer that died or froze would keep that gather waiting: raised (recover names it)
-        if isinstance(exc, RuntimeError) and silent_ranks(ctx.topology.others(ctx.rank),
-                                                          ctx.transfers):
+    except Exception as exc:  # noqa: BLE001 - said in the next gather, where the others wait
+        # for this rank (left.py); a peer gone: raised (recover names it)
+        if left.peer_gone(ctx, exc):
             raise
-        return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}
+        return left.said(ctx.rank, exc)
 
 
 def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, Any],
@@ -270,22 +268,6 @@ def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, 
             failures.update({item: f"{type(exc).__name__}: {exc}" for item in items})
     _drop_placed(ctx)  # not installed: its scratch directory goes
     return failures
-
-
-def _raise_failed(ctx: Context, failed: dict[int, str], transfers: Any = None) -> None:
-    """RankFailedError, alike on every rank, naming each rank's error: before the restore, or
-    in its ``transfers`` (then also the ranks that stopped beating, if any)."""
-    if not failed:
-        return
-    gone = [] if transfers is None else silent_ranks(ctx.topology.others(ctx.rank), transfers)
-    why = "" if transfers is None else (
-        f" (in its transfers: {ctx.topology.name_ranks(gone) or 'a rank it exchanges with'} "
-        "died, failed its part, or gave no answer within peer_timeout_s)")
-    raise RankFailedError(
-        f"rank {ctx.rank}: restoring from the memory of other hosts failed on "
-        f"{'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}{why}; nothing was "
-        "loaded and every step in memory is kept: fix that error, or restart the job",
-        tuple(gone))
 
 
 def _landing(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> torch.Tensor | None:

@@ -18,8 +18,7 @@ the restart has loaded:
    restart's plan as held by the receiver, with no survey again (the restart checks every
    range it reads against its checksums, the load the rest);
 4. a rebuild that fails is named in ``skipped`` and passed over (an older step, or none); a
-   rank whose transfers fail (a peer gone or silent past peer_timeout_s) says so in the
-   gather after them: RankFailedError on every rank at once.
+   rank whose transfers fail says so in the gather after them (left.py).
 
 Owns: the parity survey, the rebuild's exchange and the rebuilt pieces until ``close``. Does
 not own: the plan (pieces.py), the chains and the code (stripes.py, erasure.py), the restart
@@ -36,9 +35,8 @@ from typing import Any
 
 import torch
 
-from ckptio.distributed.dist import silent_ranks
-from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
-from ckptio.redundancy import marks, peers, stripes
+from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.redundancy import left, marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
 from ckptio.redundancy.reshard_fetch import store_of
 from ckptio.storage.memory.memory_store import MemoryStore
@@ -48,7 +46,6 @@ __all__ = ["Regrown", "regrow"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 8
-LEFT = "left:r"  # + a rank: its transfers failed (said in the gather after them, not raised)
 
 
 def survey_blocks(root: str, first: bool) -> list[Held]:
@@ -107,7 +104,8 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
                 failures: dict[str, str] = {}
                 for part in peers.all_gather_json(ctx.group, mine):
                     failures.update(part)
-                _raise_left(ctx, task, failures)
+                left.raise_said(ctx, left.said_by(failures), f"rebuilding rank {task.rank}'s "
+                                f"piece of step {task.step} from parity", ctx.transfers)
             except BaseException:  # a rank gone (elastic.py names it): no piece kept
                 out.stores += kept
                 out.close()
@@ -128,18 +126,6 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
                     [step, task.rank, _world(reports, step), "rebuilt"])
             return out
     return out
-
-
-def _raise_left(ctx: Any, task: Regrowth, failures: dict[str, str]) -> None:
-    """RankFailedError, alike on every rank, where a rank's transfers failed (``LEFT``)."""
-    left = {item[len(LEFT):]: why for item, why in failures.items() if item.startswith(LEFT)}
-    if left:
-        raise RankFailedError(
-            f"rank {ctx.rank}: rebuilding rank {task.rank}'s piece of step {task.step} from "
-            f"parity failed on {'; '.join(f'rank {r}: {why}' for r, why in sorted(left.items()))}"
-            ": a rank it exchanges with died, failed its part, or gave no answer within "
-            "peer_timeout_s; nothing was loaded and every piece in memory is kept: restart the "
-            "job")
 
 
 def _world(reports: list[list[Found]], step: int) -> int:
@@ -173,11 +159,10 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore |
         outcome = stripes.run(ctx.transfers, ctx.rank, _chains(task, info), payload.__getitem__,
                               out)
     except RuntimeError as exc:  # torch.distributed's: said in the gather after it, where the
-        # others wait for this rank (step_timeout_s), so every rank raises at once; a peer
-        # that died or froze would keep that gather waiting: raised (elastic.py names it)
-        if silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers):
+        # others wait for this rank (left.py); a peer gone: raised (elastic.py names it)
+        if left.peer_gone(ctx, exc):
             raise
-        return {f"{LEFT}{ctx.rank}": f"{type(exc).__name__}: {exc}"}, 0, None
+        return left.said(ctx.rank, exc), 0, None
     if outcome.error is not None:
         return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received, None
     if out is None:
