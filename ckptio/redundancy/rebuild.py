@@ -64,8 +64,10 @@ class Context:
 
     spec: Partners | Parity
     topology: Topology
-    group: Any  # the gloo group of its gathers (the Guard's control group)
-    transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
+    group: Any  # the gloo group of its inventory's gather (the Guard's control group)
+    # the gloo group of its sends and receives and of the gathers between them, which every
+    # rank reaches at once once the inventory met (guard.py: peer_timeout_s)
+    transfers: Any
     rank: int
     root: str  # the memory tier's local directory (marks.py's layout under it)
     own_dir: Callable[[int], str]  # step -> this rank's step directory
@@ -133,7 +135,8 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
         raise RankFailedError(
             f"rank {ctx.rank}: restoring from the memory of other hosts failed: {who} (one it "
             "exchanges its inventory, copies, parity or pieces of a rebuild with) died, does "
-            "not call restore() at this point, or gave no answer within step_timeout_s "
+            "not call restore() at this point, or gave no answer in time (step_timeout_s for "
+            "the inventory, peer_timeout_s in the transfers) "
             f"({type(exc).__name__}: {exc}); nothing was loaded and every step in memory is "
             "kept: restart the job (the restore is made again with the ranks alive then)",
             tuple(gone)) from exc
@@ -177,7 +180,7 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
             continue  # nothing to move: alike on every rank, so no gather either
         later = each == step  # the step loaded next: written while it loads (landing.py)
         merged = {item: why for part in peers.all_gather_json(
-            ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
+            ctx.transfers, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
         left.raise_said(ctx, left.said_by(merged), WHAT, ctx.transfers)
         if merged:
             return merged
@@ -208,7 +211,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             mine[item], data = _read_item(ctx, item, step)
             if data is not None:
                 payload[item] = data
-    metas = {item: meta for part in peers.all_gather_json(ctx.group, mine)
+    metas = {item: meta for part in peers.all_gather_json(ctx.transfers, mine)
              for item, meta in part.items()}
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
@@ -262,7 +265,7 @@ def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, 
             assert data is not None and check is not None  # internal: a receiver has both
             _install(ctx, step, src, metas, data, later, check)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
-            # next gather, up to step_timeout_s); its type and text travel in the reason
+            # next gather, up to peer_timeout_s); its type and text travel in the reason
             items = got.blame(check, step) if got is not None else [next(
                 i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))]
             failures.update({item: f"{type(exc).__name__}: {exc}" for item in items})
