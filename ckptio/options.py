@@ -138,8 +138,7 @@ class Options:
         answering makes the protection fail with RankFailedError naming it (stored: raised by
         protected() and close(), shown in status(); steps() raises it) instead of waiting. It
         must exceed the skew between the ranks' commits of one step (every rank's protection
-        thread meets the others at each step), and, in a restore from peers, the time a rank
-        takes to read and check what it sends, or to install the step it received.
+        thread meets the others at each step).
 
     broadcast_replicated: with torch.distributed, an in-place load reads each stored tensor
         that several ranks need identically (a replicated one: plain DDP, HSDP's replicas,

@@ -64,10 +64,10 @@ class Context:
 
     spec: Partners | Parity
     topology: Topology
-    group: Any  # the gloo group of its inventory's gather (the Guard's control group)
-    # the gloo group of its sends and receives and of the gathers between them, which every
-    # rank reaches at once once the inventory met (guard.py: peer_timeout_s)
-    transfers: Any
+    # the gloo group of its gathers (the Guard's control group: step_timeout_s, as a rank not
+    # in a transfer waits in the gather after it for the whole transfer)
+    group: Any
+    transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
     rank: int
     root: str  # the memory tier's local directory (marks.py's layout under it)
     own_dir: Callable[[int], str]  # step -> this rank's step directory
@@ -136,7 +136,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
             f"rank {ctx.rank}: restoring from the memory of other hosts failed: {who} (one it "
             "exchanges its inventory, copies, parity or pieces of a rebuild with) died, does "
             "not call restore() at this point, or gave no answer in time (step_timeout_s for "
-            "the inventory, peer_timeout_s in the transfers) "
+            "an exchange of the ranks, peer_timeout_s for a transfer) "
             f"({type(exc).__name__}: {exc}); nothing was loaded and every step in memory is "
             "kept: restart the job (the restore is made again with the ranks alive then)",
             tuple(gone)) from exc
@@ -180,7 +180,7 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
             continue  # nothing to move: alike on every rank, so no gather either
         later = each == step  # the step loaded next: written while it loads (landing.py)
         merged = {item: why for part in peers.all_gather_json(
-            ctx.transfers, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
+            ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
         left.raise_said(ctx, left.said_by(merged), WHAT, ctx.transfers)
         if merged:
             return merged
@@ -211,7 +211,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             mine[item], data = _read_item(ctx, item, step)
             if data is not None:
                 payload[item] = data
-    metas = {item: meta for part in peers.all_gather_json(ctx.transfers, mine)
+    metas = {item: meta for part in peers.all_gather_json(ctx.group, mine)
              for item, meta in part.items()}
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
