@@ -4,7 +4,6 @@ MiB (so a rank's pieces span several of the transfers' chunks), saved and protec
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -14,7 +13,7 @@ import torch
 
 import ckptio
 from ckptio import Tier
-from tests.redundancy_cases import OPTS, host_dir
+from tests.redundancy_cases import OPTS, host_dir, restore_then_meet
 
 MiB = 1 << 20
 
@@ -107,19 +106,7 @@ def restore_some_leave(rank: int, world: int, base: str, disk: str, spec: str, m
 
         setattr(owner, names[-1], fails)
     state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
-    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,
-                                  step_timeout_s=step_timeout_s)
-    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
-    started = time.monotonic()
-    out: dict[str, Any] = {"error": None}
-    try:
-        out["step"] = mgr.restore(state)
-    except ckptio.errors.CkptError as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.monotonic() - started
-    torch.distributed.barrier()
-    mgr.close()
-    return out
+    return restore_then_meet(_tiers(spec, disk), state, peer_timeout_s, step_timeout_s)
 
 
 def restore_written_later(rank: int, world: int, base: str, disk: str, spec: str,

@@ -67,6 +67,26 @@ def same_bits(got: Any, want: Any, where: str) -> None:
     else:
         assert got == want, where
 
+def restore_then_meet(tiers: list[Tier], state: Any, peer_timeout_s: float,
+                      step_timeout_s: float) -> dict[str, Any]:
+    """A manager of ``tiers`` with those two deadlines restores ``state`` -> its error (or the
+    step) and the seconds the restore took; then every rank meets the others at a barrier of
+    the job's group (as a script's next collective) and closes its manager."""
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,
+                                  step_timeout_s=step_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=tiers, options=options)
+    started = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        out["step"] = mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - started
+    torch.distributed.barrier()
+    mgr.close()
+    return out
+
+
 def host_dir(base: str, host: int) -> str:
     return os.path.join(base, f"host{host}")
 

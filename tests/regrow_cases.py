@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import ckptio
-from tests.redundancy_cases import OPTS, _play_host, _tiers
+from tests.redundancy_cases import OPTS, _play_host, _tiers, restore_then_meet
 
 ROWS, COLS = 480, 4096  # 7.5 MiB: 4 ranks hold 120 rows each (2 blocks), 3 ranks 160
 ROW_NBYTES = COLS * 4
@@ -111,7 +111,6 @@ def restore_one_fails(rank: int, world: int, base: str, disk: str, spec: str, fa
     RuntimeError, as a wait on a link to a peer fails; its peers' parts done) and stays
     alive; every rank then meets the others at a barrier of the job's group (as a script's
     next collective) -> the error and the seconds its restore took."""
-    import dataclasses
     import importlib
 
     _play_host(rank, 1, base)
@@ -127,16 +126,4 @@ def restore_one_fails(rank: int, world: int, base: str, disk: str, spec: str, fa
         setattr(owner, name, fails)
     state = _state(world, rank, 0)
     state["w"].to_local().zero_()
-    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s,
-                                  step_timeout_s=step_timeout_s)
-    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
-    started = time.monotonic()
-    out: dict[str, Any] = {"error": None}
-    try:
-        out["step"] = mgr.restore(state)
-    except ckptio.errors.CkptError as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.monotonic() - started
-    torch.distributed.barrier()
-    mgr.close()
-    return out
+    return restore_then_meet(_tiers(spec, disk), state, peer_timeout_s, step_timeout_s)
