@@ -67,6 +67,7 @@ def same_bits(got: Any, want: Any, where: str) -> None:
     else:
         assert got == want, where
 
+
 def restore_then_meet(tiers: list[Tier], state: Any, peer_timeout_s: float,
                       step_timeout_s: float) -> dict[str, Any]:
     """A manager of ``tiers`` with those two deadlines restores ``state`` -> its error (or the

@@ -133,9 +133,10 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - said at the inventory's gather, raised on
             # every rank there: no rank waits for this one (step_timeout_s)
             failed = failed or f"{type(exc).__name__}: {exc}"
-        recovery = recover(Context(self.spec, self.topology, self.control, self.prompt,
-                                   self.rank, self.root, self._own_dir, verify), own, anywhere, only,
-                           {"others": others, "pieces": pieces}, failed)
+        context = Context(self.spec, self.topology, self.control, self.prompt, self.rank,
+                          self.root, self._own_dir, verify)
+        recovery = recover(context, own, anywhere, only, {"others": others, "pieces": pieces},
+                           failed)
         self._landings = list(recovery.pending)
         return recovery
 

@@ -110,8 +110,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            writes after the load and settles them before the tier is used again). A delta
            step rebuilt so needs its base: the base is brought back first, the same way (the
            protection keeps a protected delta's base's: protect.py). A rank whose transfers
-           fail (a peer gone or silent past peer_timeout_s, an error of its own) says so in the
-           gather after them: RankFailedError on every rank, naming it (dist.py silent_ranks).
+           fail says so in the gather after them: RankFailedError on every rank (left.py).
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are
@@ -246,8 +245,9 @@ def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, 
                                 marks.tree_of(ctx.own_dir(step)).location)
         except CkptError as exc:  # said as this item's failure once the transfers are done
             broken = exc
-    outcome = stripes.run(ctx.transfers, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
-                          out, landed=None if check is None else check.landed)
+    outcome = stripes.run(ctx.transfers, ctx.rank, chains,
+                          lambda kind: _part(ctx, step, kind, payload), out,
+                          landed=None if check is None else check.landed)
     ctx.received += outcome.received
     if got is not None:
         got.land(check)
@@ -265,7 +265,7 @@ def _move(ctx: Context, step: int, sources: dict[int, Source], metas: dict[str, 
             assert data is not None and check is not None  # internal: a receiver has both
             _install(ctx, step, src, metas, data, later, check)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
-            # next gather, up to peer_timeout_s); its type and text travel in the reason
+            # next gather, up to step_timeout_s); its type and text travel in the reason
             items = got.blame(check, step) if got is not None else [next(
                 i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))]
             failures.update({item: f"{type(exc).__name__}: {exc}" for item in items})
