@@ -14,9 +14,9 @@ own: saving (api.Checkpointer), retention (level.py), the followers (managing/ma
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
@@ -27,6 +27,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 __all__ = ["InFlight"]
 
 log = logging.getLogger("ckptio")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -147,16 +148,7 @@ class InFlight:
         """A synchronous save (it settles the save in flight first, raising its unseen error)
         -> its result, and the steps committed (the previous one's too, if it did)."""
         previous = self._pending
-        try:
-            result = ck.save(state, path, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
-            said = _not_saved(exc, previous, step)
-            self._failed(previous.base if said is not exc and previous else base, exc)
-            if said is exc:
-                raise
-            raise said from exc.__cause__
-        finally:
-            self._forget_done(previous)
+        result = self._started(previous, step, base, lambda: ck.save(state, path, **kwargs))
         return result, [*self._ok(previous), step]
 
     def async_save(self, ck: Checkpointer, step: int, path: str, state: Any, base: int | None,
@@ -164,8 +156,17 @@ class InFlight:
         """An async save (the previous one settled first) -> its handle, and the steps
         committed meanwhile (the previous one, if it did)."""
         previous = self._pending
+        handle = self._started(previous, step, base,
+                               lambda: ck.async_save(state, path, **kwargs))
+        self._pending = _Pending(step, handle, base)
+        return handle, self._ok(previous)
+
+    def _started(self, previous: _Pending | None, step: int, base: int | None,
+                 call: Callable[[], _T]) -> _T:
+        """``call()``, a save of ``step`` that settles ``previous`` first; its error raised
+        again with the step it cost said (the previous one's, where that failed)."""
         try:
-            handle = ck.async_save(state, path, **kwargs)
+            return call()
         except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
             said = _not_saved(exc, previous, step)
             self._failed(previous.base if said is not exc and previous else base, exc)
@@ -174,8 +175,6 @@ class InFlight:
             raise said from exc.__cause__
         finally:
             self._forget_done(previous)
-        self._pending = _Pending(step, handle, base)
-        return handle, self._ok(previous)
 
     def wait(self, timeout: float | None = None) -> tuple[SaveResult | None, list[int]]:
         """Wait for the save in flight (its error raised here) -> its result and [its step].
