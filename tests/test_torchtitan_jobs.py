@@ -1,0 +1,158 @@
+"""The TorchTitan options ckptio's manager names in its errors, as a TorchTitan user types them:
+
+* two jobs started on one ``--checkpoint.folder``: the second is refused on every rank
+  (CheckpointLockedError naming the first job) before it touches the folder, naming
+  TorchTitan's ``--checkpoint.take_over``, not ckptio's ``CheckpointManager(...,
+  take_over=True)`` (which a TorchTitan job cannot pass); with it the second job saves there;
+* every ``--checkpoint.*`` option an error names parses on TorchTitan's command line
+  (ConfigManager, tyro: a bool is a flag, ``--checkpoint.x`` / ``--checkpoint.no_x``; the
+  ``--checkpoint.initial_load_model_only false`` named before was refused by it).
+Skipped where torchtitan is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.components.checkpointer.base")
+from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
+from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+
+from ckptio.errors import CheckpointLockedError, CkptError  # noqa: E402
+from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+from ckptio.torchtitan_manager import CkptioCheckpointManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_FIRST_JOB = """
+import sys, time, torch
+from pathlib import Path
+import ckptio
+folder, flag = sys.argv[1], Path(sys.argv[2])
+mgr = ckptio.CheckpointManager(folder)
+mgr.save(2, {"w": torch.ones(3)}, force=True)
+print("SAVED", flush=True)
+deadline = time.monotonic() + 120
+while not flag.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+class _TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def _build(base: str, **config: Any) -> CkptioCheckpointManager:
+    """The checkpointer TorchTitan's Trainer builds, around a small model."""
+    model = torch.nn.Linear(4, 3)
+    optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(
+        optimizers=optimizers, training_steps=4)
+    settings = {"enable": True, "interval": 2, "last_save_model_only": False, **config}
+    return CkptioCheckpointManager.Config(**settings).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": _TrainState()}, sd_adapter=None, base_folder=base)
+
+
+def _parsed(typed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Options as an error names them (``typed``: a piece of its message), parsed by
+    TorchTitan's ConfigManager for a job whose checkpoint is ckptio's -> its config."""
+    pytest.importorskip("typeguard")  # tyro's, for TorchTitan's command line
+    from torchtitan.config import ConfigManager
+
+    (tmp_path / "titan_job.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager\n"
+        "from ckptio.torchtitan_manager import CkptioCheckpointManager\n\n"
+        "@dataclass(kw_only=True, slots=True)\n"
+        "class Job:\n"
+        "    hf_assets_path: str = '.'\n"
+        "    checkpoint: BaseCheckpointManager.Config = field(\n"
+        "        default_factory=CheckpointManager.Config)\n\n"
+        "def ckptio_job():\n"
+        "    return Job(checkpoint=CkptioCheckpointManager.Config(enable=True))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return ConfigManager().parse_args(["--module", "titan_job", "--config", "ckptio_job",
+                                       *typed.split()])
+
+
+def _second_job(rank: int, world: int, base: str) -> tuple[str, str]:
+    """One rank of a job built on the folder the first job holds -> (error type, message)."""
+    try:
+        _build(base)
+    except CkptError as exc:
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+def _first_job(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A job holding ``tmp_path/checkpoint`` (it saved a step) until the flag it returns."""
+    flag = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    first = subprocess.Popen([sys.executable, "-c", _FIRST_JOB, str(tmp_path / "checkpoint"),
+                              str(flag)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checkpoint" / "step-2" / "manifest.json").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.poll()
+        time.sleep(0.05)
+    return first, flag
+
+
+def test_a_second_job_is_refused_naming_torchtitans_take_over_option(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, flag = _first_job(tmp_path)
+    try:
+        with pytest.raises(CheckpointLockedError) as refused:
+            _build(str(tmp_path))
+        said = str(refused.value)
+        assert f"pid {first.pid}" in said and "--checkpoint.take_over" in said, said
+        assert "CheckpointManager(..., take_over=True)" not in said, said
+        typed = re.search(r"pass (--checkpoint\.\S+)", said)
+        assert typed, said
+        assert _parsed(typed[1], tmp_path, monkeypatch).checkpoint.take_over is True
+        for rank, (kind, said) in enumerate(run_ranks(2, _second_job, str(tmp_path))):
+            assert kind in ("CheckpointLockedError", "RankFailedError"), (rank, kind, said)
+            assert "--checkpoint.take_over" in said, (rank, said)
+            assert "CheckpointManager(..., take_over=True)" not in said, (rank, said)
+        taker = _build(str(tmp_path), take_over=True)  # the option the refusal names
+        assert taker.save(4) is True
+        taker.close()
+    finally:
+        flag.touch()
+        first.communicate(timeout=60)
+    assert sorted(os.listdir(tmp_path / "checkpoint" / "step-4")) != []
+
+
+def test_a_folder_of_dcp_steps_names_options_torchtitan_parses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder holding only DCP steps (TorchTitan's own manager's): load() refuses, naming the
+    options that load the newest into a new folder; as typed, TorchTitan's command line takes
+    them and they load the whole state (not the model alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "checkpoint" / "step-2"))
+    job = _build(str(tmp_path))
+    with pytest.raises(CkptError, match="another manager") as refused:
+        job.load()
+    job.close()
+    typed = re.search(r"--checkpoint\.initial_load_path \S+ --checkpoint\.\S+", str(refused.value))
+    assert typed, refused.value
+    config = _parsed(typed[0], tmp_path, monkeypatch).checkpoint
+    assert config.initial_load_path == str(tmp_path / "checkpoint" / "step-2"), config
+    assert config.initial_load_model_only is False, config
