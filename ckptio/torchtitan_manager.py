@@ -149,6 +149,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
+        self._finished: int | None = None  # a finished run's model-only last step, loaded
         with _in_titan_terms():  # one job per folder: a second one is refused here
             self.manager = CheckpointManager(
                 self.folder, keep_last=config.keep_latest_k or None,
@@ -179,6 +180,16 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             return self._save_step(curr_step, last_step)
 
     def _save_step(self, curr_step: int, last_step: bool) -> bool:
+        if self._finished is not None and curr_step <= self._finished:
+            path = self.manager.path(self._finished)
+            raise CkptError(
+                f"step {curr_step} not saved: this job loaded {path}, the last step of a "
+                "finished run saved model-only (last_save_model_only), which holds no train "
+                f"state, so it trained again from step 0, and a step at or below "
+                f"{self._finished} in {self.folder} would be dropped or passed over. To train "
+                "on from those weights, give the job a new --checkpoint.folder with "
+                f"--checkpoint.initial_load_path {path}; to make a run's last step resumable, "
+                "pass --checkpoint.no_last_save_model_only")
         self.maybe_wait_for_saving()
         if last_step and self.config.last_save_model_only:
             self._save_model_only(curr_step)
@@ -336,6 +347,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         its manifest ``record`` (None: the restore reads it)."""
         given: dict[str, Any] = {} if record is None else {"record": record}
         if newest == 0 or self._kind(record) == "model":  # a seed or a final model-only step
+            self._finished = newest or None
             states = self._states_to_load(model_only=True)
             self.manager.restore(states, step=newest, cast=True,  # export_dtype back
                                  prepare=ahead, **given)

@@ -4,6 +4,8 @@
   (CheckpointLockedError naming the first job) before it touches the folder, naming
   TorchTitan's ``--checkpoint.take_over``, not ckptio's ``CheckpointManager(...,
   take_over=True)`` (which a TorchTitan job cannot pass); with it the second job saves there;
+* a finished run (its last step model-only) started again: its first save, below that step, is
+  refused naming the options that train on from those weights;
 * every ``--checkpoint.*`` option an error names parses on TorchTitan's command line
   (ConfigManager, tyro: a bool is a flag, ``--checkpoint.x`` / ``--checkpoint.no_x``; the
   ``--checkpoint.initial_load_model_only false`` named before was refused by it).
@@ -156,3 +158,27 @@ def test_a_folder_of_dcp_steps_names_options_torchtitan_parses(
     config = _parsed(typed[0], tmp_path, monkeypatch).checkpoint
     assert config.initial_load_path == str(tmp_path / "checkpoint" / "step-2"), config
     assert config.initial_load_model_only is False, config
+
+
+def test_a_finished_runs_model_only_last_step_refuses_saves_below_it_naming_options(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished run (last step saved model-only, TorchTitan's default) started again on its
+    folder loads the weights and trains from step 0: its first save, below that last step, was
+    refused in ckptio's terms (a rollback, restore(state, step=N)). Now the refusal says why
+    and names the options, which TorchTitan's command line takes; nothing is written."""
+    run = _build(str(tmp_path), last_save_model_only=True)
+    assert run.save(2) and run.save(4, last_step=True)
+    run.close()
+    again = _build(str(tmp_path), last_save_model_only=True)
+    assert again.load() is True
+    with pytest.raises(CkptError, match="finished run saved model-only") as refused:
+        again.save(2)
+    again.close()
+    said = str(refused.value)
+    typed = re.search(r"--checkpoint\.initial_load_path \S+;", said)
+    assert typed and "--checkpoint.no_last_save_model_only" in said, said
+    config = _parsed(f"{typed[0][:-1]} --checkpoint.no_last_save_model_only", tmp_path,
+                     monkeypatch).checkpoint
+    assert config.initial_load_path == str(tmp_path / "checkpoint" / "step-4"), config
+    assert config.last_save_model_only is False, config
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]
