@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import io
 import json
 import os
@@ -28,13 +29,18 @@ from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_
 
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import job_ranks
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from ckptio.format.types import Manifest
 from ckptio.options import Options
 
 __all__ = ["BACKEND", "MissingInCheckpointError", "NotCkptioCheckpointError", "check_common",
            "ckptio_dir", "common_bytes", "data_path", "digest_meta", "leased",
-           "missing_objects", "object_keys", "write_common", "written_common_meta"]
+           "missing_objects", "object_keys", "pickle_terms", "write_common", "written_common_meta"]
 
 BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
 
@@ -42,6 +48,13 @@ _DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
 _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _DIGEST = "megatron_common_xxh3"
 _ITERATION = re.compile(r"iter_\d+")  # Megatron's training saves: <--save>/iter_0000100
+# ckptio's allow_pickle advice (ckptio.save / ckptio.load's arguments) -> the strategies'
+_PICKLE_TERMS = (
+    ("pass allow_pickle=True (loading it will then need allow_pickle=True too)",
+     "pass CkptioSaveShardedStrategy(allow_pickle=True) (loading it will then need "
+     "CkptioLoadShardedStrategy(allow_pickle=True) too)"),
+    ("load(..., allow_pickle=True) for a file you trust (or exclude them with keys=...)",
+     "CkptioLoadShardedStrategy(allow_pickle=True) for a checkpoint you trust"))
 _LEASES = DirectoryLeases("this Megatron job", "pass CkptioSaveShardedStrategy(take_over=True)")
 atexit.register(_LEASES.release)  # held until the process ends (its lock goes with it anyway)
 
@@ -180,3 +193,20 @@ def missing_objects(path: str, saved: list[str], wanted: list[str],
             "nothing was loaded. Build the state as it was saved, or pass a StrictHandling to "
             "dist_checkpointing.load (e.g. strict='log_all', or 'return_all' to get the keys "
             "back) to leave out keys the checkpoint lacks")
+
+
+@contextlib.contextmanager
+def pickle_terms() -> Iterator[None]:
+    """A refusal to pickle (save) or unpickle (load) naming ckptio's ``allow_pickle`` argument
+    raised again naming the strategy's (same type; a rank's RankFailedError repeating it too)."""
+    try:
+        yield
+    except CkptError as exc:
+        said = again_said = str(exc)
+        for theirs, ours in _PICKLE_TERMS:
+            again_said = again_said.replace(theirs, ours)
+        if again_said == said:
+            raise
+        again = copy.copy(exc)
+        again.args = (again_said, *exc.args[1:])
+        raise again from None

@@ -56,6 +56,7 @@ from ckptio.megatron_common import (
     leased,
     missing_objects,
     object_keys,
+    pickle_terms,
     write_common,
     written_common_meta,
 )
@@ -184,8 +185,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """Every rank: durable and committed when it returns."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        checkpointer(self.options).save(state, data_path(checkpoint_dir),
-                                        allow_pickle=self.allow_pickle, metadata=meta)
+        with pickle_terms():
+            checkpointer(self.options).save(state, data_path(checkpoint_dir),
+                                            allow_pickle=self.allow_pickle, metadata=meta)
         write_common(os.fspath(checkpoint_dir), common)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
@@ -195,8 +197,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        handle = checkpointer(self.options).async_save(
-            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
+        with pickle_terms():
+            handle = checkpointer(self.options).async_save(
+                state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
         target = os.fspath(checkpoint_dir)
 
         def finalize() -> None:
@@ -277,8 +280,9 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def _objects(self, path: str, record: Manifest, wanted: list[str]) -> dict[str, Any]:
         if not wanted:
             return {}
-        got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
-                                              allow_pickle=self.allow_pickle, record=record)
+        with pickle_terms():
+            got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
+                                                  allow_pickle=self.allow_pickle, record=record)
         found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
         missing = [k for k in wanted if k not in found]
         if missing:
