@@ -149,7 +149,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
-        self._finished: int | None = None  # a finished run's model-only last step, loaded
+        self._below: tuple[int, str] | None = None  # no save at or below: (step, why)
         with _in_titan_terms():  # one job per folder: a second one is refused here
             self.manager = CheckpointManager(
                 self.folder, keep_last=config.keep_latest_k or None,
@@ -180,16 +180,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             return self._save_step(curr_step, last_step)
 
     def _save_step(self, curr_step: int, last_step: bool) -> bool:
-        if self._finished is not None and curr_step <= self._finished:
-            path = self.manager.path(self._finished)
-            raise CkptError(
-                f"step {curr_step} not saved: this job loaded {path}, the last step of a "
-                "finished run saved model-only (last_save_model_only), which holds no train "
-                f"state, so it trained again from step 0, and a step at or below "
-                f"{self._finished} in {self.folder} would be dropped or passed over. To train "
-                "on from those weights, give the job a new --checkpoint.folder with "
-                f"--checkpoint.initial_load_path {path}; to make a run's last step resumable, "
-                "pass --checkpoint.no_last_save_model_only")
+        if self._below is not None and curr_step <= self._below[0]:
+            raise CkptError(f"step {curr_step} not saved: {self._below[1]}")
         self.maybe_wait_for_saving()
         if last_step and self.config.last_save_model_only:
             self._save_model_only(curr_step)
@@ -278,6 +270,15 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"(committed: {steps or 'none'})")
         if steps:
             newest = steps[-1] if step == -1 else step
+            if newest < steps[-1]:  # its saves would fall below the later steps
+                path = self.manager.path(newest)
+                self._below = (steps[-1], (
+                    f"this job loaded {path} (--checkpoint.load_step {step}), and "
+                    f"{self.folder} holds later steps {[n for n in steps if n > step]}: a "
+                    f"restart would resume from step {steps[-1]}, and retention drop this "
+                    "job's steps. Give the job a new --checkpoint.folder with "
+                    f"--checkpoint.initial_load_path {path} "
+                    "--checkpoint.no_initial_load_model_only, or remove the later steps"))
             record = self._manifest(newest)  # read once: the restore loads with it
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
@@ -347,7 +348,15 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         its manifest ``record`` (None: the restore reads it)."""
         given: dict[str, Any] = {} if record is None else {"record": record}
         if newest == 0 or self._kind(record) == "model":  # a seed or a final model-only step
-            self._finished = newest or None
+            if newest:
+                path = self.manager.path(newest)
+                self._below = (newest, (
+                    f"this job loaded {path}, the last step of a finished run saved model-only "
+                    "(last_save_model_only), which holds no train state, so it trained again "
+                    f"from step 0, and a step at or below {newest} in {self.folder} would be "
+                    "dropped or passed over. To train on from those weights, give the job a new "
+                    f"--checkpoint.folder with --checkpoint.initial_load_path {path}; to make a "
+                    "run's last step resumable, pass --checkpoint.no_last_save_model_only"))
             states = self._states_to_load(model_only=True)
             self.manager.restore(states, step=newest, cast=True,  # export_dtype back
                                  prepare=ahead, **given)
