@@ -339,8 +339,9 @@ def test_disabled_manager_waits_are_no_ops(tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoint").exists()
 
 
-def test_chosen_by_torchtitans_config_manager(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def titan_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> Any:
+    """TorchTitan's ConfigManager parsing the command line ``args`` for a job module of
+    ``tmp_path`` whose checkpoint is ckptio's (enabled, interval 5) -> the job's config."""
     pytest.importorskip("typeguard")  # tyro's, for TorchTitan's command line
     from torchtitan.config import ConfigManager
 
@@ -356,9 +357,14 @@ def test_chosen_by_torchtitans_config_manager(tmp_path: Path,
         "def ckptio_job():\n"
         "    return Job(checkpoint=CkptioCheckpointManager.Config(enable=True, interval=5))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = ConfigManager().parse_args(
-        ["--module", "my_job", "--config", "ckptio_job", "--checkpoint.keep_latest_k", "3",
-         "--checkpoint.async_mode", "async", "--checkpoint.folder", "s3://bucket/run"])
+    return ConfigManager().parse_args(["--module", "my_job", "--config", "ckptio_job", *args])
+
+
+def test_chosen_by_torchtitans_config_manager(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    config = titan_config(tmp_path, monkeypatch, [
+        "--checkpoint.keep_latest_k", "3", "--checkpoint.async_mode", "async",
+        "--checkpoint.folder", "s3://bucket/run"])
     assert type(config.checkpoint) is CkptioCheckpointManager.Config
     assert (config.checkpoint.keep_latest_k, config.checkpoint.async_mode,
             config.checkpoint.folder, config.checkpoint.interval) == (3, "async",

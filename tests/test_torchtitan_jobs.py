@@ -26,12 +26,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan.components.checkpointer.base")
-from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
-from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
 
 from ckptio.errors import CheckpointLockedError, CkptError  # noqa: E402
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
 from ckptio.torchtitan_manager import CkptioCheckpointManager  # noqa: E402
+from test_torchtitan import Job, titan_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,49 +48,16 @@ while not flag.exists() and time.monotonic() < deadline:
 """
 
 
-class _TrainState:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
-
-
 def _build(base: str, **config: Any) -> CkptioCheckpointManager:
-    """The checkpointer TorchTitan's Trainer builds, around a small model."""
-    model = torch.nn.Linear(4, 3)
-    optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(
-        optimizers=optimizers, training_steps=4)
-    settings = {"enable": True, "interval": 2, "last_save_model_only": False, **config}
-    return CkptioCheckpointManager.Config(**settings).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-        states={"train_state": _TrainState()}, sd_adapter=None, base_folder=base)
+    """The checkpointer TorchTitan's Trainer builds (tests/test_torchtitan.py's Job)."""
+    built: CkptioCheckpointManager = Job(base, **config).checkpointer
+    return built
 
 
 def _parsed(typed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Options as an error names them (``typed``: a piece of its message), parsed by
     TorchTitan's ConfigManager for a job whose checkpoint is ckptio's -> its config."""
-    pytest.importorskip("typeguard")  # tyro's, for TorchTitan's command line
-    from torchtitan.config import ConfigManager
-
-    (tmp_path / "titan_job.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager\n"
-        "from ckptio.torchtitan_manager import CkptioCheckpointManager\n\n"
-        "@dataclass(kw_only=True, slots=True)\n"
-        "class Job:\n"
-        "    hf_assets_path: str = '.'\n"
-        "    checkpoint: BaseCheckpointManager.Config = field(\n"
-        "        default_factory=CheckpointManager.Config)\n\n"
-        "def ckptio_job():\n"
-        "    return Job(checkpoint=CkptioCheckpointManager.Config(enable=True))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return ConfigManager().parse_args(["--module", "titan_job", "--config", "ckptio_job",
-                                       *typed.split()])
+    return titan_config(tmp_path, monkeypatch, typed.split())
 
 
 def _second_job(rank: int, world: int, base: str) -> tuple[str, str]:
