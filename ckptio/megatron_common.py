@@ -1,11 +1,12 @@
 """The common state of a Megatron checkpoint the ckptio strategies write: ``common.pt`` (what
 Megatron's ``load_common_state_dict`` reads) and its digest in ckptio's manifest, so a load
 refuses a ``common.pt`` of another save; where ckptio's checkpoint lies in Megatron's
-directory, and the error for a directory that holds none; and the run lease of a training
-job's save directory (``leased``: one job saving there at a time, dir_leases.py).
+directory, and the error for a directory that holds none; the run lease of a training
+job's save directory (``leased``: one job saving there at a time, dir_leases.py); and the
+check, every rank together before any read, that the ShardedObjects asked for were saved.
 
 Owns: ``common.pt``'s bytes, its atomic replacement and its digest check; the process's
-leases. Does not own: the strategies (megatron_strategy.py) or what the common state holds
+leases; MissingInCheckpointError. Does not own: the strategies (megatron_strategy.py) or what the common state holds
 (Megatron's).
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import io
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -26,12 +29,18 @@ from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_
 
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import job_ranks
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from ckptio.format.types import Manifest
 from ckptio.options import Options
 
-__all__ = ["BACKEND", "NotCkptioCheckpointError", "check_common", "ckptio_dir", "common_bytes",
-           "data_path", "digest_meta", "leased", "write_common", "written_common_meta"]
+__all__ = ["BACKEND", "MissingInCheckpointError", "NotCkptioCheckpointError", "check_common",
+           "ckptio_dir", "common_bytes", "data_path", "digest_meta", "leased",
+           "missing_objects", "object_keys", "pickle_terms", "write_common", "written_common_meta"]
 
 BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
 
@@ -39,8 +48,20 @@ _DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
 _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _DIGEST = "megatron_common_xxh3"
 _ITERATION = re.compile(r"iter_\d+")  # Megatron's training saves: <--save>/iter_0000100
+# ckptio's allow_pickle advice (ckptio.save / ckptio.load's arguments) -> the strategies'
+_PICKLE_TERMS = (
+    ("pass allow_pickle=True (loading it will then need allow_pickle=True too)",
+     "pass CkptioSaveShardedStrategy(allow_pickle=True) (loading it will then need "
+     "CkptioLoadShardedStrategy(allow_pickle=True) too)"),
+    ("load(..., allow_pickle=True) for a file you trust (or exclude them with keys=...)",
+     "CkptioLoadShardedStrategy(allow_pickle=True) for a checkpoint you trust"))
 _LEASES = DirectoryLeases("this Megatron job", "pass CkptioSaveShardedStrategy(take_over=True)")
 atexit.register(_LEASES.release)  # held until the process ends (its lock goes with it anyway)
+
+
+class MissingInCheckpointError(StateMismatchError, CheckpointingException):
+    """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
+    CheckpointingException Megatron's callers catch."""
 
 
 class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
@@ -147,3 +168,45 @@ def leased(checkpoint_dir: str, take_over: bool, options: Options | None) -> Non
     _LEASES.take_over = take_over  # this save's strategy's, not an earlier one's
     taken_on_rank_0(_LEASES, job_ranks(options), os.path.dirname(os.path.abspath(checkpoint_dir)),
                     f"iteration {name}")
+
+
+def object_keys(tree: Any, name: str) -> list[str]:
+    """The saved ShardedObjects' unique keys: the keys of the manifest tree's dict ``name``."""
+    top = dict(tree.get("d", [])) if isinstance(tree, dict) else {}
+    objects = top.get(name)
+    return [str(k) for k, _node in objects.get("d", [])] if isinstance(objects, dict) else []
+
+
+def missing_objects(path: str, saved: list[str], wanted: list[str],
+                    options: Options | None) -> str | None:
+    """Every rank together, before anything is read: the ShardedObjects (unique keys) that
+    some rank asks for and the checkpoint at ``path`` lacks (``saved``: those it holds) -> the
+    same error message on every rank naming each rank's, or None where none lacks any."""
+    have = set(saved)
+    mine = json.dumps([key for key in wanted if key not in have]).encode()
+    ranks = job_ranks(options)
+    got = [json.loads(b) for b in ([mine] if ranks is None else ranks.all_gather(mine))]
+    missing = {rank: keys[:5] for rank, keys in enumerate(got) if keys}
+    if not missing:
+        return None
+    return (f"{path}: ShardedObjects the checkpoint lacks, asked for by rank(s) {missing}; "
+            "nothing was loaded. Build the state as it was saved, or pass a StrictHandling to "
+            "dist_checkpointing.load (e.g. strict='log_all', or 'return_all' to get the keys "
+            "back) to leave out keys the checkpoint lacks")
+
+
+@contextlib.contextmanager
+def pickle_terms() -> Iterator[None]:
+    """A refusal to pickle (save) or unpickle (load) naming ckptio's ``allow_pickle`` argument
+    raised again naming the strategy's (same type; a rank's RankFailedError repeating it too)."""
+    try:
+        yield
+    except CkptError as exc:
+        said = again_said = str(exc)
+        for theirs, ours in _PICKLE_TERMS:
+            again_said = again_said.replace(theirs, ours)
+        if again_said == said:
+            raise
+        again = copy.copy(exc)
+        again.args = (again_said, *exc.args[1:])
+        raise again from None

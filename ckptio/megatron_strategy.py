@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -47,6 +46,7 @@ from ckptio.format.types import Manifest
 from ckptio.io.buffers import torch_dtype
 from ckptio.megatron_common import (
     BACKEND,
+    MissingInCheckpointError,
     NotCkptioCheckpointError,
     check_common,
     ckptio_dir,
@@ -54,6 +54,9 @@ from ckptio.megatron_common import (
     data_path,
     digest_meta,
     leased,
+    missing_objects,
+    object_keys,
+    pickle_terms,
     write_common,
     written_common_meta,
 )
@@ -64,11 +67,6 @@ __all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
 
 _COMMON_KEY = "common_state"
 _TENSORS, _OBJECTS = "tensors", "objects"
-
-
-class MissingInCheckpointError(StateMismatchError, CheckpointingException):
-    """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
-    CheckpointingException Megatron's callers catch."""
 
 
 def _rank() -> int:
@@ -187,8 +185,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """Every rank: durable and committed when it returns."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        checkpointer(self.options).save(state, data_path(checkpoint_dir),
-                                        allow_pickle=self.allow_pickle, metadata=meta)
+        with pickle_terms():
+            checkpointer(self.options).save(state, data_path(checkpoint_dir),
+                                            allow_pickle=self.allow_pickle, metadata=meta)
         write_common(os.fspath(checkpoint_dir), common)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
@@ -198,8 +197,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        handle = checkpointer(self.options).async_save(
-            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
+        with pickle_terms():
+            handle = checkpointer(self.options).async_save(
+                state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
         target = os.fspath(checkpoint_dir)
 
         def finalize() -> None:
@@ -254,6 +254,13 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
         padded = _padded(boxes, {sh.key for sh in items if isinstance(sh, ShardedTensor)
                                  and sh.allow_shape_mismatch}, record)
+        wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
+        missing = missing_objects(path, object_keys(record.tree, _OBJECTS), wanted, self.options)
+        if missing is not None:  # a changed model's tensors say so first, into scratch tensors
+            _load_tensors(checkpointer(self.options), path, record, {k: ckptio.TensorShard(
+                torch.empty_like(b.local), b.global_shape, b.offsets) for k, b in boxes.items()},
+                self.cast)
+            raise MissingInCheckpointError(missing)
         _load_tensors(checkpointer(self.options), path, record, boxes, self.cast)
         with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
             for where, part in padded:
@@ -261,7 +268,6 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 where[tuple(slice(0, n) for n in part.shape)].copy_(part)
             for region, piece, box in copies:
                 piece.copy_(box[region])
-        wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
         objects = self._objects(path, record, wanted)
 
         def value(item: Any) -> Any:
@@ -274,14 +280,16 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def _objects(self, path: str, record: Manifest, wanted: list[str]) -> dict[str, Any]:
         if not wanted:
             return {}
-        got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
-                                              allow_pickle=self.allow_pickle, record=record)
+        with pickle_terms():
+            got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
+                                                  allow_pickle=self.allow_pickle, record=record)
         found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
         missing = [k for k in wanted if k not in found]
         if missing:
             raise MissingInCheckpointError(
                 f"{path}: rank {_rank()} asks for ShardedObjects the checkpoint lacks: "
-                f"{missing[:5]}; load with strict=False in dist_checkpointing.load to skip them")
+                f"{missing[:5]}; pass a StrictHandling to dist_checkpointing.load (e.g. "
+                "strict='log_all') to leave them out")
         return dict(found)
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
@@ -292,7 +300,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
         record = self._manifest(checkpoint_dir)
         out = _tensors_metadata(record)
-        for unique in _object_keys(record.tree):  # one saved with an empty value has no entry
+        for unique in object_keys(record.tree, _OBJECTS):  # one saved with an empty value has no entry
             if unique not in out:
                 out[unique] = ShardedObject.empty_from_unique_key(unique)
         return out
@@ -366,13 +374,6 @@ def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
             boxes[key] = ckptio.TensorShard(part, tuple(saved[key]), box.offsets)
         out.append((box.local, part))
     return out
-
-
-def _object_keys(tree: Any) -> list[str]:
-    """The saved ShardedObjects' unique keys: the keys of the manifest tree's objects dict."""
-    top = dict(tree.get("d", [])) if isinstance(tree, dict) else {}
-    objects = top.get(_OBJECTS)
-    return [str(k) for k, _node in objects.get("d", [])] if isinstance(objects, dict) else []
 
 
 def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch.Tensor]:

@@ -20,12 +20,14 @@ Does not own: the saves, loads, retention and the scan for the newest committed 
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import uuid
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -58,6 +60,26 @@ from ckptio.storage.steps import foreign
 __all__ = ["CkptioCheckpointManager"]
 
 KIND = "torchtitan"  # the metadata key saying what a step holds: "full" or "model"
+# a run lease's refusal names CheckpointManager's argument; a TorchTitan job sets its option
+# (TorchTitan's command line takes a bool as a flag: --checkpoint.x, --checkpoint.no_x)
+_TAKE_OVER = "CheckpointManager(..., take_over=True)"
+_TITAN_TAKE_OVER = "--checkpoint.take_over (CkptioCheckpointManager.Config(take_over=True))"
+
+
+@contextmanager
+def _in_titan_terms() -> Iterator[None]:
+    """A CkptError naming CheckpointManager's ``take_over`` (two jobs on one folder) raised
+    again naming TorchTitan's ``--checkpoint.take_over`` (same type; a rank's RankFailedError
+    repeating rank 0's refusal too)."""
+    try:
+        yield
+    except CkptError as exc:
+        said = str(exc)
+        if _TAKE_OVER not in said:
+            raise
+        again = copy.copy(exc)
+        again.args = (said.replace(_TAKE_OVER, _TITAN_TAKE_OVER), *exc.args[1:])
+        raise again from None
 
 
 class _SaveFuture(Future):
@@ -91,6 +113,10 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         hf_folder: str = "hf"
         """last_save_in_hf: the Hugging Face export goes to ``<folder>/<hf_folder>/step-<N>``."""
 
+        take_over: bool = False
+        """Save into a folder another job holds (CheckpointLockedError names it): this job's
+        earlier run whose processes linger; that job's next save is then refused."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
@@ -123,9 +149,12 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
-        self.manager = CheckpointManager(
-            self.folder, keep_last=config.keep_latest_k or None, keep_every=config.keep_every,
-            save_every=config.interval)
+        self._below: tuple[int, str] | None = None  # no save at or below: (step, why)
+        with _in_titan_terms():  # one job per folder: a second one is refused here
+            self.manager = CheckpointManager(
+                self.folder, keep_last=config.keep_latest_k or None,
+                keep_every=config.keep_every, save_every=config.interval,
+                take_over=config.take_over)
 
     # ------------------------------------------------------------------ saving
 
@@ -147,6 +176,12 @@ class CkptioCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        with _in_titan_terms():  # a folder made by the first save: its lease taken there
+            return self._save_step(curr_step, last_step)
+
+    def _save_step(self, curr_step: int, last_step: bool) -> bool:
+        if self._below is not None and curr_step <= self._below[0]:
+            raise CkptError(f"step {curr_step} not saved: {self._below[1]}")
         self.maybe_wait_for_saving()
         if last_step and self.config.last_save_model_only:
             self._save_model_only(curr_step)
@@ -199,7 +234,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
     def _wait_for_saving(self) -> None:
         self.save_future = None
         self._staging = None
-        self.manager.wait()
+        with _in_titan_terms():
+            self.manager.wait()
 
     def _close(self) -> None:
         self.save_future = None
@@ -234,6 +270,15 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"(committed: {steps or 'none'})")
         if steps:
             newest = steps[-1] if step == -1 else step
+            if newest < steps[-1]:  # its saves would fall below the later steps
+                path = self.manager.path(newest)
+                self._below = (steps[-1], (
+                    f"this job loaded {path} (--checkpoint.load_step {step}), and "
+                    f"{self.folder} holds later steps {[n for n in steps if n > step]}: a "
+                    f"restart would resume from step {steps[-1]}, and retention drop this "
+                    "job's steps. Give the job a new --checkpoint.folder with "
+                    f"--checkpoint.initial_load_path {path} "
+                    "--checkpoint.no_initial_load_model_only, or remove the later steps"))
             record = self._manifest(newest)  # read once: the restore loads with it
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
@@ -274,7 +319,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 "CkptioCheckpointManager does not resume from: it would train from step 0. "
                 "Resume this run with TorchTitan's own CheckpointManager, or load its newest "
                 f"step into a new --checkpoint.folder: --checkpoint.initial_load_path "
-                f"{self.manager.path(step)} --checkpoint.initial_load_model_only false")
+                f"{self.manager.path(step)} --checkpoint.no_initial_load_model_only")
 
     def _manifest(self, step: int) -> Manifest | None:
         """Step ``step``'s manifest, read by rank 0 and sent to the others; None where it
@@ -303,6 +348,15 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         its manifest ``record`` (None: the restore reads it)."""
         given: dict[str, Any] = {} if record is None else {"record": record}
         if newest == 0 or self._kind(record) == "model":  # a seed or a final model-only step
+            if newest:
+                path = self.manager.path(newest)
+                self._below = (newest, (
+                    f"this job loaded {path}, the last step of a finished run saved model-only "
+                    "(last_save_model_only), which holds no train state, so it trained again "
+                    f"from step 0, and a step at or below {newest} in {self.folder} would be "
+                    "dropped or passed over. To train on from those weights, give the job a new "
+                    f"--checkpoint.folder with --checkpoint.initial_load_path {path}; to make a "
+                    "run's last step resumable, pass --checkpoint.no_last_save_model_only"))
             states = self._states_to_load(model_only=True)
             self.manager.restore(states, step=newest, cast=True,  # export_dtype back
                                  prepare=ahead, **given)
@@ -334,7 +388,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 load(os.fspath(path), states)
         except StateMismatchError as exc:
             only = ("" if config.initial_load_model_only else ", load the model alone "
-                    "(--checkpoint.initial_load_model_only true) if only the optimizer or "
+                    "(--checkpoint.initial_load_model_only) if only the optimizer or "
                     "schedule changed")
             raise refixed(exc, f"Through TorchTitan's --checkpoint.initial_load_path {path}: "
                           f"this job's states differ from that checkpoint's; build the model as "
