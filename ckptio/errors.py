@@ -1,6 +1,7 @@
 """The one exception family ckptio raises.
 
-Owns: CkptError and its subclasses, restating one with more said first, and refusing a
+Owns: CkptError and its subclasses, restating one with more said first or in a caller's
+terms (``in_terms``: an integration naming its own options), and refusing a
 ``timeout=`` that is not a number of seconds (every public wait's argument). Every message
 names what went wrong (key, file, rank where known) and how to fix it. Does not own: deciding
 when to raise (each module raises its own).
@@ -8,13 +9,15 @@ when to raise (each module raises its own).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator, Sequence
 
 __all__ = ["CAST_HINT", "CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
-           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "refixed",
-           "restated", "seconds_to_wait"]
+           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "in_terms",
+           "refixed", "restated", "seconds_to_wait"]
 
 
 class CkptError(Exception):
@@ -130,6 +133,24 @@ def refixed(error: StateMismatchError, fix: str) -> StateMismatchError:
     again.fix = f". {fix}"
     again.args = (f"{error.problem}{again.fix}", *error.args[1:])
     return again
+
+
+@contextlib.contextmanager
+def in_terms(terms: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """A CkptError raised inside, whose message says any ``(ours, theirs)`` pair's ``ours``
+    (an argument of ckptio's API), raised again saying ``theirs`` (the option the caller's user
+    sets): same type, same attributes (a rank's RankFailedError repeating it too)."""
+    try:
+        yield
+    except CkptError as exc:
+        said = reworded = str(exc)
+        for ours, theirs in terms:
+            reworded = reworded.replace(ours, theirs)
+        if reworded == said:
+            raise
+        again = copy.copy(exc)
+        again.args = (reworded, *exc.args[1:])
+        raise again from None
 
 
 def in_base(error: CorruptCheckpointError, name: str) -> CorruptCheckpointError:

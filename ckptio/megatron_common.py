@@ -6,15 +6,15 @@ job's save directory (``leased``: one job saving there at a time, dir_leases.py)
 check, every rank together before any read, that the ShardedObjects asked for were saved.
 
 Owns: ``common.pt``'s bytes, its atomic replacement and its digest check; the process's
-leases; MissingInCheckpointError. Does not own: the strategies (megatron_strategy.py) or what the common state holds
-(Megatron's).
+leases; MissingInCheckpointError; ckptio's pickle advice in the strategies' terms
+(PICKLE_TERMS). Does not own: the strategies (megatron_strategy.py) or what the common state
+holds (Megatron's).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import io
 import json
 import os
@@ -31,7 +31,6 @@ from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import job_ranks
 from ckptio.errors import (
     CheckpointNotFoundError,
-    CkptError,
     CorruptCheckpointError,
     StateMismatchError,
 )
@@ -40,7 +39,7 @@ from ckptio.options import Options
 
 __all__ = ["BACKEND", "MissingInCheckpointError", "NotCkptioCheckpointError", "check_common",
            "ckptio_dir", "common_bytes", "data_path", "digest_meta", "leased",
-           "missing_objects", "object_keys", "pickle_terms", "write_common", "written_common_meta"]
+           "missing_objects", "object_keys", "PICKLE_TERMS", "write_common", "written_common_meta"]
 
 BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
 
@@ -49,7 +48,7 @@ _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _DIGEST = "megatron_common_xxh3"
 _ITERATION = re.compile(r"iter_\d+")  # Megatron's training saves: <--save>/iter_0000100
 # ckptio's allow_pickle advice (ckptio.save / ckptio.load's arguments) -> the strategies'
-_PICKLE_TERMS = (
+PICKLE_TERMS = (
     ("pass allow_pickle=True (loading it will then need allow_pickle=True too)",
      "pass CkptioSaveShardedStrategy(allow_pickle=True) (loading it will then need "
      "CkptioLoadShardedStrategy(allow_pickle=True) too)"),
@@ -193,20 +192,3 @@ def missing_objects(path: str, saved: list[str], wanted: list[str],
             "nothing was loaded. Build the state as it was saved, or pass a StrictHandling to "
             "dist_checkpointing.load (e.g. strict='log_all', or 'return_all' to get the keys "
             "back) to leave out keys the checkpoint lacks")
-
-
-@contextlib.contextmanager
-def pickle_terms() -> Iterator[None]:
-    """A refusal to pickle (save) or unpickle (load) naming ckptio's ``allow_pickle`` argument
-    raised again naming the strategy's (same type; a rank's RankFailedError repeating it too)."""
-    try:
-        yield
-    except CkptError as exc:
-        said = again_said = str(exc)
-        for theirs, ours in _PICKLE_TERMS:
-            again_said = again_said.replace(theirs, ours)
-        if again_said == said:
-            raise
-        again = copy.copy(exc)
-        again.args = (again_said, *exc.args[1:])
-        raise again from None

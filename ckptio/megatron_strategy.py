@@ -41,11 +41,12 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import ckptio
-from ckptio.errors import StateMismatchError, UnsupportedStateError
+from ckptio.errors import StateMismatchError, UnsupportedStateError, in_terms
 from ckptio.format.types import Manifest
 from ckptio.io.buffers import torch_dtype
 from ckptio.megatron_common import (
     BACKEND,
+    PICKLE_TERMS,
     MissingInCheckpointError,
     NotCkptioCheckpointError,
     check_common,
@@ -56,7 +57,6 @@ from ckptio.megatron_common import (
     leased,
     missing_objects,
     object_keys,
-    pickle_terms,
     write_common,
     written_common_meta,
 )
@@ -185,7 +185,7 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """Every rank: durable and committed when it returns."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        with pickle_terms():
+        with in_terms(PICKLE_TERMS):
             checkpointer(self.options).save(state, data_path(checkpoint_dir),
                                             allow_pickle=self.allow_pickle, metadata=meta)
         write_common(os.fspath(checkpoint_dir), common)
@@ -197,7 +197,7 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
         leased(os.fspath(checkpoint_dir), self.take_over, self.options)
         state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
-        with pickle_terms():
+        with in_terms(PICKLE_TERMS):
             handle = checkpointer(self.options).async_save(
                 state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
         target = os.fspath(checkpoint_dir)
@@ -280,7 +280,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def _objects(self, path: str, record: Manifest, wanted: list[str]) -> dict[str, Any]:
         if not wanted:
             return {}
-        with pickle_terms():
+        with in_terms(PICKLE_TERMS):
             got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
                                                   allow_pickle=self.allow_pickle, record=record)
         found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
@@ -300,7 +300,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
         record = self._manifest(checkpoint_dir)
         out = _tensors_metadata(record)
-        for unique in object_keys(record.tree, _OBJECTS):  # one saved with an empty value has no entry
+        for unique in object_keys(record.tree, _OBJECTS):  # saved empty: no entry of its own
             if unique not in out:
                 out[unique] = ShardedObject.empty_from_unique_key(unique)
         return out
@@ -343,8 +343,8 @@ def _load_tensors(loader: ckptio.Checkpointer, path: str, record: Manifest,
     except StateMismatchError as exc:
         raise MissingInCheckpointError(
             f"rank {_rank()}: the sharded state dict does not match the checkpoint, nothing "
-            f"was loaded on this rank: {exc.problem} [keys under '{_TENSORS}.' are ShardedTensor keys; "
-            "through Megatron: build the model as it was saved, or pass a strict= "
+            f"was loaded on this rank: {exc.problem} [keys under '{_TENSORS}.' are "
+            "ShardedTensor keys; through Megatron: build the model as it was saved, or pass a strict= "
             "StrictHandling to dist_checkpointing.load to leave out keys the checkpoint "
             "lacks; CkptioLoadShardedStrategy(cast=True) converts a dtype, as torch_dist "
             "does]") from exc

@@ -20,14 +20,12 @@ Does not own: the saves, loads, retention and the scan for the newest committed 
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import uuid
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -46,6 +44,7 @@ from ckptio.errors import (
     CheckpointNotFoundError,
     CkptError,
     StateMismatchError,
+    in_terms,
     refixed,
     restated,
 )
@@ -64,22 +63,7 @@ KIND = "torchtitan"  # the metadata key saying what a step holds: "full" or "mod
 # (TorchTitan's command line takes a bool as a flag: --checkpoint.x, --checkpoint.no_x)
 _TAKE_OVER = "CheckpointManager(..., take_over=True)"
 _TITAN_TAKE_OVER = "--checkpoint.take_over (CkptioCheckpointManager.Config(take_over=True))"
-
-
-@contextmanager
-def _in_titan_terms() -> Iterator[None]:
-    """A CkptError naming CheckpointManager's ``take_over`` (two jobs on one folder) raised
-    again naming TorchTitan's ``--checkpoint.take_over`` (same type; a rank's RankFailedError
-    repeating rank 0's refusal too)."""
-    try:
-        yield
-    except CkptError as exc:
-        said = str(exc)
-        if _TAKE_OVER not in said:
-            raise
-        again = copy.copy(exc)
-        again.args = (said.replace(_TAKE_OVER, _TITAN_TAKE_OVER), *exc.args[1:])
-        raise again from None
+_TITAN_TERMS = ((_TAKE_OVER, _TITAN_TAKE_OVER),)  # errors.in_terms
 
 
 class _SaveFuture(Future):
@@ -150,7 +134,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
         self._below: tuple[int, str] | None = None  # no save at or below: (step, why)
-        with _in_titan_terms():  # one job per folder: a second one is refused here
+        with in_terms(_TITAN_TERMS):  # one job per folder: a second one is refused here
             self.manager = CheckpointManager(
                 self.folder, keep_last=config.keep_latest_k or None,
                 keep_every=config.keep_every, save_every=config.interval,
@@ -176,7 +160,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
-        with _in_titan_terms():  # a folder made by the first save: its lease taken there
+        with in_terms(_TITAN_TERMS):  # a folder made by the first save: its lease taken there
             return self._save_step(curr_step, last_step)
 
     def _save_step(self, curr_step: int, last_step: bool) -> bool:
@@ -234,7 +218,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
     def _wait_for_saving(self) -> None:
         self.save_future = None
         self._staging = None
-        with _in_titan_terms():
+        with in_terms(_TITAN_TERMS):
             self.manager.wait()
 
     def _close(self) -> None:
