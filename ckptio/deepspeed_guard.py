@@ -176,9 +176,13 @@ def _model_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in names if n.endswith("model_states.pt")]
 
 
-def _tags(load_dir: str) -> list[str]:
-    names = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
-    return [n for n in names if _model_files(os.path.join(load_dir, n))]
+def _tags(load_dir: str) -> str:
+    """The tags in ``load_dir`` for a message: in step order (global_step9 before
+    global_step10), the newest few of a long run, which may hold thousands."""
+    names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+    tags = sorted((n for n in names if _model_files(os.path.join(load_dir, n))),
+                  key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    return str(tags) if len(tags) <= 6 else f"{tags[-6:]} (and {len(tags) - 6} earlier)"
 
 
 def _whole_tag(engine: Any, folder: str) -> None:
