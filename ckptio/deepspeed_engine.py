@@ -36,7 +36,7 @@ from typing import Any
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
-from ckptio.deepspeed_reads import arrived, kept, load_group, placed
+from ckptio.deepspeed_reads import arrived, kept, load_group, own_file, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -211,9 +211,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
             group = (rank_alone_group() if self._loaded is None else
                      arrived(self.load_group(where), where, self.options.rank_timeout_s,
                              self._missing))
-            loaded = self.checkpointer.load(path, verify=self.verify,
-                                            allow_pickle=self.allow_pickle,
-                                            process_group=group, record=record)
+            def read() -> Any:
+                return self.checkpointer.load(path, verify=self.verify,
+                                              allow_pickle=self.allow_pickle,
+                                              process_group=group, record=record)
+
+            loaded = (own_file(read, where, self.allow_pickle) if record is None
+                      and os.path.isfile(where) else read())
             self._tags.check(where, record)
             if self._loaded is not None and self.kept(where):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded

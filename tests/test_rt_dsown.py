@@ -146,3 +146,32 @@ def test_zero3_module_only_with_optimizer_states_is_refused_naming_the_fix(
     for rank, said in enumerate(got):
         assert said.startswith("UnsupportedStateError"), (rank, said)
         assert "load_optimizer_states=False" in said and "global_step3" in said, (rank, said)
+
+
+def _own_engine_then_ckptio(rank: int, world_size: int, root: str) -> Any:
+    """A ZeRO-2 job saves with DeepSpeed's own engine and trains on; a fresh job loads that
+    tag through ckptio's engine -> whether it trained on alike, or the error's type and text."""
+    import ckptio.deepspeed_engine
+
+    engine = cases.engine_for(2, world_size)  # DeepSpeed's own TorchCheckpointEngine
+    cases.train(engine, cases.SAVE_AT)
+    engine.save_checkpoint(root)
+    losses = cases.train(engine, cases.MORE)
+    engine.destroy()
+    resumed = cases.engine_for(2, world_size)
+    ckptio.deepspeed_engine.use(resumed, allow_pickle=True)
+    try:
+        resumed.load_checkpoint(root)
+    except Exception as exc:  # noqa: BLE001 - the test reads which exception it was
+        return f"{type(exc).__name__}: {exc}"
+    return cases.train(resumed, cases.MORE) == losses
+
+
+def test_a_zero2_tag_of_deepspeeds_own_engine_resumes_through_ckptio(tmp_path: Path) -> None:
+    """A job switching to ckptio's engine between tags (docs/guides/deepspeed.md): ZeRO 1/2's
+    model file of DeepSpeed's own engine holds each parameter as a view of one flat buffer,
+    which ckptio's torch.save reader refused ("different views of one storage ... load the
+    file with torch.load"); it is now read with torch.load, as that engine reads it, and the
+    job trains on bitwise."""
+    got = run_ranks(2, _own_engine_then_ckptio, str(tmp_path / "own"), timeout_s=LIMIT_S)
+    assert got == [True, True], got
