@@ -115,6 +115,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
         self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
         self._failed: CkptError | None = None  # a file of the tag in hand failed (for commit)
+        self.exporting = False  # in save_16bit_model (use() sets it): an export, not leased
         # within one load_checkpoint (loading()): each file's manifest, and a file loaded once
         # (until DeepSpeed loads it again); None outside
         self._opened: dict[str, Manifest | None] | None = None
@@ -140,8 +141,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def _lease(self, info: CheckpointCommitInfo) -> None:
         """Rank 0 takes (or checks) the run lease of ``info.save_dir``; every rank raises its
         refusal (CheckpointLockedError), before any rank writes a file of the tag."""
-        taken_on_rank_0(self._leases, self._ranks, os.fspath(info.save_dir),
-                        f"tag {info.tag!r}")
+        if not self.exporting:  # one file renamed into place, no run: not leased
+            taken_on_rank_0(self._leases, self._ranks, os.fspath(info.save_dir),
+                            f"tag {info.tag!r}")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """DeepSpeed's rank 0 makes save_dir before ``create``: a URL is left to ``create``'s
@@ -377,8 +379,21 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)
+        engine.save_16bit_model = _exporting(engine.save_16bit_model, engine)
         _GUARDED.add(engine)
     return ours
+
+
+def _exporting(save_16bit_model: Callable[..., Any], engine: Any) -> Callable[..., Any]:
+    def export(*args: Any, **kwargs: Any) -> Any:
+        ours = engine.checkpoint_engine
+        ours.exporting = True  # its create() then takes no run lease of the export's folder
+        try:
+            return save_16bit_model(*args, **kwargs)
+        finally:
+            ours.exporting = False
+
+    return export
 
 
 def commit_now(engine: Any) -> None:
