@@ -89,6 +89,7 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
         if folder is None:
             return load_checkpoint(*args, **kwargs)
         _whole_tag(engine, folder)
+        _check_zero3_layout(engine, folder)
         optimizer = given.get("load_optimizer_states", True)
         reads: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if engine.zero_optimization_partition_weights():
@@ -333,6 +334,30 @@ def _differences(saved: list[tuple[str, tuple[int, ...]]],
     if not out and [k for k, _ in saved] != [k for k, _ in now]:
         out.append("the same parameters in another order (another optimizer parameter grouping)")
     return out
+
+
+def _check_zero3_layout(engine: Any, folder: str) -> None:
+    """ZeRO-3 writes a model file per data-parallel rank (zero_pp_rank_N_mp_rank_XX_...), ZeRO
+    0-2 one per model-parallel rank (mp_rank_XX_...): an engine of the other kind finds none of
+    its own and DeepSpeed fails with an empty AssertionError (with any engine); refused naming
+    the stages and the ways on."""
+    names = [os.path.basename(f) for f in _model_files(folder)]
+    saved3 = any(re.fullmatch(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
+    saved = any(re.fullmatch(r"mp_rank_\d+_model_states\.pt", n) for n in names)
+    now3 = bool(engine.zero_optimization_partition_weights())
+    if now3 == saved3 or (saved3 and saved):
+        return
+    was = "under ZeRO-3 (a model file per data-parallel rank)" if saved3 else (
+        "under ZeRO stage 0, 1 or 2 (a whole model file, mp_rank_XX_model_states.pt)")
+    weights = ("consolidate them with DeepSpeed's zero_to_fp32 on a "
+               "ckptio.deepspeed_engine.to_torch_save copy" if saved3 else
+               "ckptio.load(the model file, allow_pickle=True)['module']")
+    raise UnsupportedStateError(
+        f"{folder} was saved {was} and this engine runs ZeRO stage "
+        f"{engine.zero_optimization_stage()}: DeepSpeed finds no model file of its own there "
+        f"(its empty AssertionError); build the engine at the stage it was saved at "
+        f"(\"zero_optimization\": {{\"stage\": ...}}), or, for the weights alone, {weights} "
+        "and load them into the model before deepspeed.initialize")
 
 
 def _check_zero3_ranks(engine: Any, folder: str, weights: bool) -> None:

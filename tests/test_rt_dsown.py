@@ -175,3 +175,39 @@ def test_a_zero2_tag_of_deepspeeds_own_engine_resumes_through_ckptio(tmp_path: P
     job trains on bitwise."""
     got = run_ranks(2, _own_engine_then_ckptio, str(tmp_path / "own"), timeout_s=LIMIT_S)
     assert got == [True, True], got
+
+
+def _another_stage(rank: int, world_size: int, root: str) -> list[str]:
+    """ZeRO-2 and ZeRO-3 jobs save through ckptio; fresh engines load each at the other stage
+    -> the error's type and text for each."""
+    import ckptio.deepspeed_engine
+
+    said = []
+    for saved, loaded in ((2, 3), (3, 2)):
+        engine = cases.engine_for(saved, world_size)
+        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        cases.train(engine, 1)
+        engine.save_checkpoint(f"{root}{saved}")
+        engine.destroy()
+        engine = cases.engine_for(loaded, world_size)
+        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        try:
+            engine.load_checkpoint(f"{root}{saved}")
+            said.append("loaded")
+        except Exception as exc:  # noqa: BLE001 - the test reads which exception it was
+            said.append(f"{type(exc).__name__}: {exc}")
+        engine.destroy()
+    return said
+
+
+def test_a_tag_loaded_at_another_zero_side_names_both_stages(tmp_path: Path) -> None:
+    """ZeRO 0-2 write one whole model file, ZeRO-3 one per data-parallel rank: an engine of
+    the other kind found none of its own, and DeepSpeed failed with an empty AssertionError
+    (with its own engine too). Refused on every rank naming the stages and the ways on."""
+    got = run_ranks(2, _another_stage, str(tmp_path / "z"), timeout_s=LIMIT_S)
+    for rank in (0, 1):
+        to3, to2 = got[rank]
+        assert to3.startswith("UnsupportedStateError") and "ZeRO stage 3" in to3, (rank, to3)
+        assert "stage 0, 1 or 2" in to3, (rank, to3)
+        assert to2.startswith("UnsupportedStateError") and "under ZeRO-3" in to2, (rank, to2)
+        assert "ZeRO stage 2" in to2 and "zero_to_fp32" in to2, (rank, to2)
