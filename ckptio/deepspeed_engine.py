@@ -36,7 +36,7 @@ from typing import Any
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load, local_only
-from ckptio.deepspeed_reads import arrived, kept, load_group, placed
+from ckptio.deepspeed_reads import arrived, kept, load_group, own_file, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -115,6 +115,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
         self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
         self._failed: CkptError | None = None  # a file of the tag in hand failed (for commit)
+        self.exporting = False  # in save_16bit_model (use() sets it): an export, not leased
         # within one load_checkpoint (loading()): each file's manifest, and a file loaded once
         # (until DeepSpeed loads it again); None outside
         self._opened: dict[str, Manifest | None] | None = None
@@ -140,8 +141,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def _lease(self, info: CheckpointCommitInfo) -> None:
         """Rank 0 takes (or checks) the run lease of ``info.save_dir``; every rank raises its
         refusal (CheckpointLockedError), before any rank writes a file of the tag."""
-        taken_on_rank_0(self._leases, self._ranks, os.fspath(info.save_dir),
-                        f"tag {info.tag!r}")
+        if not self.exporting:  # one file renamed into place, no run: not leased
+            taken_on_rank_0(self._leases, self._ranks, os.fspath(info.save_dir),
+                            f"tag {info.tag!r}")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """DeepSpeed's rank 0 makes save_dir before ``create``: a URL is left to ``create``'s
@@ -211,9 +213,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
             group = (rank_alone_group() if self._loaded is None else
                      arrived(self.load_group(where), where, self.options.rank_timeout_s,
                              self._missing))
-            loaded = self.checkpointer.load(path, verify=self.verify,
-                                            allow_pickle=self.allow_pickle,
-                                            process_group=group, record=record)
+            def read() -> Any:
+                return self.checkpointer.load(path, verify=self.verify,
+                                              allow_pickle=self.allow_pickle,
+                                              process_group=group, record=record)
+
+            loaded = (own_file(read, where, self.allow_pickle) if record is None
+                      and os.path.isfile(where) else read())
             self._tags.check(where, record)
             if self._loaded is not None and self.kept(where):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
@@ -373,8 +379,21 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)
+        engine.save_16bit_model = _exporting(engine.save_16bit_model, engine)
         _GUARDED.add(engine)
     return ours
+
+
+def _exporting(save_16bit_model: Callable[..., Any], engine: Any) -> Callable[..., Any]:
+    def export(*args: Any, **kwargs: Any) -> Any:
+        ours = engine.checkpoint_engine
+        ours.exporting = True  # its create() then takes no run lease of the export's folder
+        try:
+            return save_16bit_model(*args, **kwargs)
+        finally:
+            ours.exporting = False
+
+    return export
 
 
 def commit_now(engine: Any) -> None:

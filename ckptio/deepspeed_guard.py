@@ -66,7 +66,8 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
     """``engine.load_checkpoint`` refusing, as CkptErrors naming the file and the fix, what
     DeepSpeed fails on with an empty AssertionError or a tensor size error, or routes past the
     checkpoint engine: a tag with no files (named, or read from an empty or stale ``latest``);
-    under ZeRO, a model whose parameters differ from the saved ones. ZeRO-3 weights without
+    under ZeRO, a model whose parameters differ from the saved ones; under ZeRO-3,
+    ``load_module_only`` with the optimizer states, which loads no weights. ZeRO-3 weights without
     optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load, are
     read through the engine's ``load_alone`` (``zero_to_fp32_reading``). The whole call is
     one ``loading()`` of ckptio's engine: each file's manifest read once in it."""
@@ -88,12 +89,17 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
         if folder is None:
             return load_checkpoint(*args, **kwargs)
         _whole_tag(engine, folder)
+        _check_zero3_layout(engine, folder)
         optimizer = given.get("load_optimizer_states", True)
         reads: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if engine.zero_optimization_partition_weights():
-            _check_zero3_ranks(engine, folder)
+            moe = getattr(engine, "has_moe_layers", False)
+            if optimizer and given.get("load_module_only", False) and not moe:
+                raise _module_only_loads_nothing(folder)
+            weights = not optimizer and not moe
+            _check_zero3_ranks(engine, folder, weights)
             alone = getattr(engine.checkpoint_engine, "load_alone", None)
-            if not optimizer and not getattr(engine, "has_moe_layers", False) and alone:
+            if weights and alone:
                 reads = zero_to_fp32_reading(alone, os.path.basename(folder))  # the weights
         if optimizer and not given.get("load_module_only", False) and engine.zero_optimization():
             _check_model_parallel_size(engine, folder)
@@ -102,6 +108,20 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
             return load_checkpoint(*args, **kwargs)
 
     return load
+
+
+def _module_only_loads_nothing(folder: str) -> UnsupportedStateError:
+    """ZeRO-3's ``load_module_only=True`` with the optimizer states (the default) loads no
+    weights in DeepSpeed 0.19.8, with any engine: its model files hold each parameter as an
+    empty placeholder and the partitions are read only with the optimizer states, or by
+    zero_to_fp32 when ``load_optimizer_states=False``; the model kept its own, silently."""
+    return UnsupportedStateError(
+        f"load_checkpoint(load_module_only=True) of {folder} under ZeRO-3 would load no weights: "
+        "DeepSpeed's ZeRO-3 model files hold each parameter as an empty placeholder, and it "
+        "reads the partitions only with the optimizer states (skipped by load_module_only) or "
+        "rebuilds them when load_optimizer_states=False, so the model would keep its own "
+        "weights silently; pass load_optimizer_states=False too (the weights alone, bit for "
+        "bit), or drop load_module_only to resume everything")
 
 
 def _tag_folder(load_dir: str, tag: Any) -> str | None:
@@ -157,9 +177,13 @@ def _model_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in names if n.endswith("model_states.pt")]
 
 
-def _tags(load_dir: str) -> list[str]:
-    names = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
-    return [n for n in names if _model_files(os.path.join(load_dir, n))]
+def _tags(load_dir: str) -> str:
+    """The tags in ``load_dir`` for a message: in step order (global_step9 before
+    global_step10), the newest few of a long run, which may hold thousands."""
+    names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+    tags = sorted((n for n in names if _model_files(os.path.join(load_dir, n))),
+                  key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    return str(tags) if len(tags) <= 6 else f"{tags[-6:]} (and {len(tags) - 6} earlier)"
 
 
 def _whole_tag(engine: Any, folder: str) -> None:
@@ -312,18 +336,48 @@ def _differences(saved: list[tuple[str, tuple[int, ...]]],
     return out
 
 
-def _check_zero3_ranks(engine: Any, folder: str) -> None:
+def _check_zero3_layout(engine: Any, folder: str) -> None:
+    """ZeRO-3 writes a model file per data-parallel rank (zero_pp_rank_N_mp_rank_XX_...), ZeRO
+    0-2 one per model-parallel rank (mp_rank_XX_...): an engine of the other kind finds none of
+    its own and DeepSpeed fails with an empty AssertionError (with any engine); refused naming
+    the stages and the ways on."""
+    names = [os.path.basename(f) for f in _model_files(folder)]
+    saved3 = any(re.fullmatch(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
+    saved = any(re.fullmatch(r"mp_rank_\d+_model_states\.pt", n) for n in names)
+    now3 = bool(engine.zero_optimization_partition_weights())
+    if now3 == saved3 or (saved3 and saved):
+        return
+    was = "under ZeRO-3 (a model file per data-parallel rank)" if saved3 else (
+        "under ZeRO stage 0, 1 or 2 (a whole model file, mp_rank_XX_model_states.pt)")
+    weights = ("consolidate them with DeepSpeed's zero_to_fp32 on a "
+               "ckptio.deepspeed_engine.to_torch_save copy" if saved3 else
+               "ckptio.load(the model file, allow_pickle=True)['module']")
+    raise UnsupportedStateError(
+        f"{folder} was saved {was} and this engine runs ZeRO stage "
+        f"{engine.zero_optimization_stage()}: DeepSpeed finds no model file of its own there "
+        f"(its empty AssertionError); build the engine at the stage it was saved at "
+        f"(\"zero_optimization\": {{\"stage\": ...}}), or, for the weights alone, {weights} "
+        "and load them into the model before deepspeed.initialize")
+
+
+def _check_zero3_ranks(engine: Any, folder: str, weights: bool) -> None:
     """ZeRO-3 keeps a model file per data-parallel rank: on another number of ranks DeepSpeed
     fails on some ranks with an empty AssertionError (no file of theirs), on the others with
-    its own refusal; here every rank says the same."""
+    its own refusal; here every rank says the same. The weights alone (``weights``: no
+    optimizer states, which DeepSpeed rebuilds from every rank's files with its zero_to_fp32)
+    load on fewer ranks, as with DeepSpeed's own engine."""
     saved = len([f for f in _model_files(folder)
                  if os.path.basename(f).startswith("zero_pp_rank_")
                  and os.path.basename(f).endswith("_mp_rank_00_model_states.pt")])
     now = getattr(engine, "dp_world_size", saved)
-    if saved and saved != now:
-        raise UnsupportedStateError(
-            f"{folder} was saved by {saved} data-parallel ranks under ZeRO-3 (a model file "
-            f"each) and this job has {now}: DeepSpeed loads ZeRO's partitioned state only on "
-            f"the data-parallel size that saved it; run on {saved} ranks, or convert it with "
-            "DeepSpeed's ds_to_universal.py (on a ckptio.deepspeed_engine.to_torch_save copy) "
-            "and load that as a universal checkpoint")
+    if not saved or now == saved or (weights and now < saved):
+        return
+    alone = ("" if now > saved else "; or load the weights alone on these ranks, "
+             "load_checkpoint(load_dir, load_optimizer_states=False)")
+    raise UnsupportedStateError(
+        f"{folder} was saved by {saved} data-parallel ranks under ZeRO-3 (a model file "
+        f"each) and this job has {now}: DeepSpeed loads ZeRO's partitioned state only on "
+        f"the data-parallel size that saved it (its weights alone on at most that many); "
+        f"run on {saved} ranks, or convert it with DeepSpeed's ds_to_universal.py (on a "
+        f"ckptio.deepspeed_engine.to_torch_save copy) and load that as a universal "
+        f"checkpoint{alone}")

@@ -3,7 +3,8 @@
 read once for all the ranks that share it, a fresh load over their group), whether they all
 came (``arrived``: DeepSpeed may call load_checkpoint on some ranks only), whether its values
 are kept for a second load of it (``kept``), where its tensors go (``placed``: DeepSpeed's
-``map_location``), and how DeepSpeed's zero_to_fp32 reads ckptio's files
+``map_location``), how a torch.save file DeepSpeed's own engine wrote is read where ckptio's
+reader cannot lay it out (``own_file``), and how DeepSpeed's zero_to_fp32 reads ckptio's files
 (``zero_to_fp32_reading``: ZeRO-3's weights without optimizer states).
 
 Call order: ``use`` sets the engine's ``load_group`` from ``load_group(engine)``; each load
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pickle
 import re
 import warnings
 import weakref
@@ -29,9 +31,16 @@ import torch
 from ckptio.devices import moved
 from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, rank_alone_group
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    PickleRefusedError,
+)
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["arrived", "kept", "load_group", "placed", "zero_to_fp32_reading"]
+__all__ = ["arrived", "kept", "load_group", "own_file", "placed", "zero_to_fp32_reading"]
 
 
 def arrived(group: Any, path: str, timeout_s: float, missing: set[int] | None = None) -> Any:
@@ -109,6 +118,28 @@ def kept(engine: Any) -> Callable[[str], bool]:
         return int(found.group(1)) == int(getattr(alive, "checkpoint_mp_rank", 0))
 
     return keep
+
+
+def own_file(load: Callable[[], Any], path: str, allow_pickle: bool) -> Any:
+    """A torch.save file DeepSpeed's own engine wrote (a job that switched engines between
+    tags), read by ckptio (``load``); where ckptio's reader refuses its layout (ZeRO 1/2's
+    model file: every parameter a view of one flat buffer, which DeepSpeed's own engine does
+    not clone), read with torch.load as that engine reads it (``weights_only`` unless
+    ``allow_pickle``). A damaged, cut or missing file is raised as ckptio found it."""
+    try:
+        return load()
+    except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError,
+            PickleRefusedError):
+        raise
+    except CkptError:
+        pass  # a layout ckptio does not read (views of one storage): torch.load reads it
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        raise PickleRefusedError(
+            f"{path}: this torch.save file, written by DeepSpeed's own engine, holds Python "
+            "objects (ZeRO's loss scaler, ...) that load only unpickled: pass "
+            "ckptio.deepspeed_engine.use(engine, allow_pickle=True) for files you trust") from exc
 
 
 def placed(loaded: Any, map_location: Any) -> Any:

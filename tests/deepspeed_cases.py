@@ -259,7 +259,8 @@ def zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def save_16bit(rank: int, world_size: int, root: str, decoupled: bool) -> bool:
     """A trained step, then ``save_16bit_model(root)`` through ckptio's engine -> whether
-    ``root/pytorch_model.bin`` is a torch.save file holding the module's weights."""
+    ``root/pytorch_model.bin`` is a torch.save file holding the module's weights, and ``root``
+    holds nothing else (no run lease: an export, not a run)."""
     from ckptio.deepspeed_engine import use
 
     engine = engine_for(1, world_size)
@@ -268,7 +269,8 @@ def save_16bit(rank: int, world_size: int, root: str, decoupled: bool) -> bool:
     engine.save_16bit_model(root)
     saved = torch.load(os.path.join(root, "pytorch_model.bin"), weights_only=True)
     want = engine.module.state_dict()
-    return saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    return (saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+            and os.listdir(root) == ["pytorch_model.bin"])
 
 
 def second_job(rank: int, world_size: int, save_dir: str, take_over: bool) -> dict[str, Any]:

@@ -236,7 +236,9 @@ def test_save_16bit_model_writes_the_torch_save_file_its_readers_expect(
         tmp_path: Path, decoupled: bool) -> None:
     """``engine.save_16bit_model(dir)`` (an export for torch.load and from_pretrained, outside
     any tag folder): ``dir/pytorch_model.bin`` is a torch.save file of the module's weights, as
-    DeepSpeed's own engine writes it; it was a ckptio directory, which they cannot read."""
+    DeepSpeed's own engine writes it; it was a ckptio directory, which they cannot read. The
+    folder holds that file alone: it also got the run lease (.ckptio-run.lease, held until
+    destroy) that a save_checkpoint's directory gets, which went along into uploads."""
     assert run_ranks(1, cases.save_16bit, str(tmp_path / "export"), decoupled,
                      timeout_s=LIMIT_S) == [True]
 

@@ -96,6 +96,23 @@ def test_a_mistyped_load_dir_names_the_run_spelled_alike(tmp_path: Path, given: 
         assert not caught, text
 
 
+@pytest.mark.parametrize("latest", ["", "global_step9999"])
+def test_a_missing_tag_names_the_newest_tags_in_step_order(tmp_path: Path, latest: str) -> None:
+    """A long run's ``latest`` emptied by a kill, or naming a removed tag: the error listed
+    every tag there, in text order (global_step1, global_step10, global_step100, ...; a run
+    saving every 100 steps for a day named hundreds); now the newest few, in step order."""
+    for step in range(1, 13):
+        (tmp_path / f"global_step{step}").mkdir()
+        (tmp_path / f"global_step{step}" / "mp_rank_00_model_states.pt").mkdir()
+    (tmp_path / "latest").write_text(latest)
+    engine = _Engine()
+    load = _needs("ckptio.deepspeed_guard").guarded_load(engine.load_checkpoint, engine)
+    with pytest.raises(ckptio.CheckpointNotFoundError) as caught:
+        load(str(tmp_path))
+    newest = [f"global_step{step}" for step in range(7, 13)]
+    assert f"{newest} (and 6 earlier)" in str(caught.value), caught.value
+
+
 def _titan(base: Path, folder: str) -> Any:
     """TorchTitan's checkpointer as its Trainer builds it (ckptio's, by configuration)."""
     _needs("torchtitan")
