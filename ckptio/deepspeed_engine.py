@@ -26,6 +26,7 @@ DeepSpeed has no configuration key for a third-party engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -35,7 +36,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
-from ckptio.deepspeed_guard import guarded_load, local_only
+from ckptio.deepspeed_guard import exporting, guarded_load, local_only
 from ckptio.deepspeed_reads import arrived, kept, load_group, own_file, placed
 from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
@@ -213,13 +214,11 @@ class CkptioCheckpointEngine(CheckpointEngine):
             group = (rank_alone_group() if self._loaded is None else
                      arrived(self.load_group(where), where, self.options.rank_timeout_s,
                              self._missing))
-            def read() -> Any:
-                return self.checkpointer.load(path, verify=self.verify,
-                                              allow_pickle=self.allow_pickle,
-                                              process_group=group, record=record)
-
-            loaded = (own_file(read, where, self.allow_pickle) if record is None
-                      and os.path.isfile(where) else read())
+            read = functools.partial(self.checkpointer.load, path, verify=self.verify,
+                                     allow_pickle=self.allow_pickle, process_group=group,
+                                     record=record)
+            loaded = (own_file(read, where, self.allow_pickle)  # DeepSpeed's own engine's file
+                      if record is None and os.path.isfile(where) else read())
             self._tags.check(where, record)
             if self._loaded is not None and self.kept(where):
                 self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
@@ -379,21 +378,9 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
         engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)
-        engine.save_16bit_model = _exporting(engine.save_16bit_model, engine)
+        engine.save_16bit_model = exporting(engine.save_16bit_model, engine)
         _GUARDED.add(engine)
     return ours
-
-
-def _exporting(save_16bit_model: Callable[..., Any], engine: Any) -> Callable[..., Any]:
-    def export(*args: Any, **kwargs: Any) -> Any:
-        ours = engine.checkpoint_engine
-        ours.exporting = True  # its create() then takes no run lease of the export's folder
-        try:
-            return save_16bit_model(*args, **kwargs)
-        finally:
-            ours.exporting = False
-
-    return export
 
 
 def commit_now(engine: Any) -> None:

@@ -9,7 +9,8 @@ parameter shapes against the model's, the number of ZeRO-3 ranks, ZeRO 1/2's mod
 size, and ZeRO-3 weights without optimizer states; where a load finds no ``latest`` (a fresh
 start), the warning naming a run spelled alike beside it (a mistyped directory); and that a
 save's or load's directory is a local path (``local_only``: DeepSpeed reaches ``latest`` and
-its tag folders with local file calls, so a URL would land in a local folder named ``s3:``).
+its tag folders with local file calls, so a URL would land in a local folder named ``s3:``);
+``exporting``: ``save_16bit_model`` marked an export, whose folder takes no run lease.
 Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
 """
 
@@ -41,7 +42,7 @@ from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.missing_manifest import spelled_alike
 from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["guarded_load", "local_only"]
+__all__ = ["exporting", "guarded_load", "local_only"]
 
 
 def local_only(directory: str, doing: str) -> None:
@@ -381,3 +382,18 @@ def _check_zero3_ranks(engine: Any, folder: str, weights: bool) -> None:
         f"run on {saved} ranks, or convert it with DeepSpeed's ds_to_universal.py (on a "
         f"ckptio.deepspeed_engine.to_torch_save copy) and load that as a universal "
         f"checkpoint{alone}")
+
+
+def exporting(save_16bit_model: Any, engine: Any) -> Any:
+    """``engine.save_16bit_model`` marking its save an export (``exporting``: the checkpoint
+    engine takes no run lease of that folder: one file renamed into place, not a run)."""
+
+    def export(*args: Any, **kwargs: Any) -> Any:
+        ours = engine.checkpoint_engine
+        ours.exporting = True  # its create() then takes no run lease of the export's folder
+        try:
+            return save_16bit_model(*args, **kwargs)
+        finally:
+            ours.exporting = False
+
+    return export

@@ -31,13 +31,7 @@ import torch
 from ckptio.devices import moved
 from ckptio.distributed.arrival import arrive
 from ckptio.distributed.dist import current_group, rank_alone_group
-from ckptio.errors import (
-    CheckpointNotFoundError,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    PickleRefusedError,
-)
+from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["arrived", "kept", "load_group", "own_file", "placed", "zero_to_fp32_reading"]
@@ -128,11 +122,10 @@ def own_file(load: Callable[[], Any], path: str, allow_pickle: bool) -> Any:
     ``allow_pickle``). A damaged, cut or missing file is raised as ckptio found it."""
     try:
         return load()
-    except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError,
-            PickleRefusedError):
-        raise
-    except CkptError:
-        pass  # a layout ckptio does not read (views of one storage): torch.load reads it
+    except CkptError as exc:
+        if type(exc) is not CkptError:  # damaged, cut, missing, refused, unreadable: as found
+            raise
+        refused = exc  # a layout ckptio does not read (views of one storage): torch.load's
     try:
         return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
@@ -140,6 +133,8 @@ def own_file(load: Callable[[], Any], path: str, allow_pickle: bool) -> Any:
             f"{path}: this torch.save file, written by DeepSpeed's own engine, holds Python "
             "objects (ZeRO's loss scaler, ...) that load only unpickled: pass "
             "ckptio.deepspeed_engine.use(engine, allow_pickle=True) for files you trust") from exc
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:  # torch.load's own failures
+        raise refused from exc
 
 
 def placed(loaded: Any, map_location: Any) -> Any:
