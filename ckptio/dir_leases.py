@@ -14,7 +14,10 @@ leased here (its saves' own locks apply).
 Call order: the plugin makes one (its job's words for the refusal and the fix), calls
 ``take(directory, what)`` before each save writes (``taken_on_rank_0`` where every rank saves
 together: rank 0 holds the lease, every rank raises its refusal), and ``release()`` at its
-teardown.
+teardown. A job giving each save a folder of its own (the Hugging Face Trainer's
+``checkpoint-N`` as DeepSpeed's ``save_dir``) holds the leases of the MOST_HELD folders it saved
+into last, and none of a folder since removed (its rotation): a lease let go is taken again,
+and checked, at the next save there.
 
 Owns: which directories a plugin holds and the taken-over refusal's wording. Does not own: the
 lease file and its lock (runlease.py), the plugins (lightning.py, deepspeed_engine.py).
@@ -29,7 +32,9 @@ from ckptio.errors import CheckpointLockedError, CkptError, StorageIOError
 from ckptio.storage.local import runlease
 from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["DirectoryLeases", "taken_on_rank_0"]
+__all__ = ["MOST_HELD", "DirectoryLeases", "taken_on_rank_0"]
+
+MOST_HELD = 8  # leases one plugin holds at most: those of the folders it saved into last
 
 
 class DirectoryLeases:
@@ -49,8 +54,9 @@ class DirectoryLeases:
         if scheme_of(location) is not None:
             return
         directory = os.path.abspath(location)
-        held = self._held.get(directory)
+        held = self._held.pop(directory, None)
         if held is not None:
+            self._held[directory] = held  # the newest again
             taker = held.lost
             if taker is not None:
                 raise CheckpointLockedError(
@@ -62,6 +68,17 @@ class DirectoryLeases:
                               refusal=(f"{self.job} did not save {what}", self.fix))
         if lease is not None:
             self._held[directory] = lease
+            self._let_go(directory)
+
+    def _let_go(self, newest: str) -> None:
+        """Release the leases of the folders removed since this job saved there, and of all but
+        the MOST_HELD folders saved into last (one lease and file descriptor per save of a job
+        saving each step into a folder of its own would pile up until the teardown)."""
+        old = [d for d in self._held if d != newest and not os.path.isdir(d)]
+        old += [d for d in self._held if d not in old][:max(0, len(self._held) - len(old)
+                                                              - MOST_HELD)]
+        for directory in old:
+            self._held.pop(directory).release()
 
     def release(self) -> None:
         """Let go of every lease (never raises)."""
