@@ -111,7 +111,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
         self._leases = DirectoryLeases("this Lightning job",
-                                       "pass ckptio.lightning.CheckpointIO(take_over=True)",
+                                       f"pass ckptio.lightning.{type(self).__name__}"
+                                       "(take_over=True)",
                                        take_over)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -176,19 +177,21 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
 
     def _prepare_save(self, path: str | os.PathLike[str], storage_options: Any) -> str:
         """The path to save into, once the save is known to be possible: no storage_options,
-        no symlink at the path (replaced, as Lightning's torch.save would)."""
+        no symlink or file at the path (replaced, as Lightning's torch.save would: a file there
+        is a ``last.ckpt`` of Lightning's own TorchCheckpointIO, from before a plugin switch)."""
         target = os.fspath(path)
         if storage_options is not None:
             raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
                             "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
         check_path(target)
         self._leases.take(os.path.dirname(checkpoint_path(target)), target)
-        if os.path.islink(target):
+        if os.path.islink(target) or os.path.isfile(target):
             try:
                 os.remove(target)
             except OSError as exc:
-                raise StorageIOError(f"cannot replace the symlink {target} by a checkpoint: "
-                                     f"{exc.strerror or exc}") from None
+                raise StorageIOError(f"cannot replace {target} (a symlink or file) by a "
+                                     f"checkpoint: {exc.strerror or exc}; check the directory's "
+                                     "permissions") from None
         return target
 
     def _load_group(self, path: str) -> Any:

@@ -426,6 +426,40 @@ def test_resume_from_a_torch_save_ckpt_of_lightnings_own_plugin(tmp_path: Path) 
     assert ckptio.load(tmp_path / "c" / "epoch=1-step=16.ckpt")["global_step"] == 16
 
 
+def test_a_switch_in_the_same_dirpath_replaces_lightnings_own_last_ckpt(tmp_path: Path) -> None:
+    """Resumed from the ``last.ckpt`` file TorchCheckpointIO wrote, with ``save_last=True`` in
+    the same dirpath: the next save of ``last.ckpt`` replaces that file by a ckptio checkpoint
+    (it was refused: "exists and is not a directory")."""
+    ckpts = tmp_path / "ckpts"
+    _fit(tmp_path, None, epochs=1, callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)])
+    assert (ckpts / "last.ckpt").is_file()
+    _fit(tmp_path, plugin("sync"), epochs=2,
+         callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)], ckpt_path="last")
+    assert ckptio.load(ckpts / "last.ckpt", keys=["global_step"])["global_step"] == 16
+
+
+_HOLDER = """
+import sys, torch, ckptio.lightning
+io = ckptio.lightning.CheckpointIO()
+io.save_checkpoint({"w": torch.ones(1)}, sys.argv[1] + "/a.ckpt")
+print("SAVED", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_locked_dirpath_names_the_async_plugin_in_its_take_over_fix(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "SAVED"
+        with pytest.raises(ckptio.CheckpointLockedError) as caught:
+            plugin("async").save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt")
+        assert "ckptio.lightning.AsyncCheckpointIO(take_over=True)" in str(caught.value)
+    finally:
+        holder.communicate("", timeout=60)
+
+
 def test_the_standalone_pytorch_lightning_trainer_takes_the_plugins(tmp_path: Path) -> None:
     """``pytorch_lightning`` (its own CheckpointIO class, from ``lightning_fabric``) accepts
     both plugins: they are registered with its CheckpointIO too; save, resume and top-k work."""
