@@ -121,7 +121,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         is durable and committed. A previous checkpoint at ``path`` (``last.ckpt`` each time)
         stays whole until then and is replaced as Lightning asks, logged at INFO."""
         target = self._prepare_save(path, storage_options)
-        with _pickle_hint(self.allow_pickle):
+        with _pickle_hint(self.allow_pickle, type(self).__name__):
             self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle,
                                    process_group=self._own_group(), overwrite=True)
 
@@ -244,7 +244,7 @@ class AsyncCheckpointIO(CheckpointIO):
         target = self._prepare_save(path, storage_options)
         self._removals = [p for p in self._removals if not _same(p, target)]
         self.wait()
-        with _pickle_hint(self.allow_pickle):
+        with _pickle_hint(self.allow_pickle, type(self).__name__):
             self._handle = self.checkpointer.async_save(checkpoint, target,
                                                         allow_pickle=self.allow_pickle,
                                                         process_group=self._own_group(),
@@ -333,15 +333,16 @@ def _is_subclass(cls: type, package: str, *names: str) -> bool:
 
 
 @contextlib.contextmanager
-def _pickle_hint(allowed: bool) -> Iterator[None]:
-    """Adds the plugin's own way to opt in to an UnsupportedStateError a save raised."""
+def _pickle_hint(allowed: bool, plugin: str) -> Iterator[None]:
+    """Adds the ``plugin`` class's own way to opt in to an UnsupportedStateError a save
+    raised."""
     try:
         yield
     except UnsupportedStateError as exc:
         if allowed:
             raise
         raise UnsupportedStateError(
-            f"{exc} (through Lightning: ckptio.lightning.CheckpointIO(allow_pickle=True) "
+            f"{exc} (through Lightning: ckptio.lightning.{plugin}(allow_pickle=True) "
             "stores such values pickled, and loads them back)") from exc
 
 

@@ -398,6 +398,9 @@ def test_python_objects_need_allow_pickle_both_ways(tmp_path: Path, one_epoch: P
                        match=r"hyper_parameters\.data_dir.*CheckpointIO\(allow_pickle=True\)"):
         plugin("sync").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt" / "manifest.json").exists()
+    with pytest.raises(ckptio.UnsupportedStateError,  # the class the user made
+                       match=r"ckptio\.lightning\.AsyncCheckpointIO\(allow_pickle=True\)"):
+        plugin("async").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     plugin("sync", allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     with pytest.raises(ckptio.PickleRefusedError, match="hyper_parameters.data_dir"):
         plugin("sync").load_checkpoint(tmp_path / "a.ckpt")
