@@ -36,7 +36,8 @@ from ckptio.errors import (
 )
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["CKPTIO_DIR", "TRAINER_STATE", "checked", "checkpoint_problem", "last_checkpoint"]
+__all__ = ["CKPTIO_DIR", "TRAINER_STATE", "checked", "checkpoint_problem", "last_checkpoint",
+           "saved_argument"]
 
 CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
 TRAINER_STATE = "trainer_state.json"
@@ -131,3 +132,15 @@ def checked(path: str, allow_pickle: bool) -> str | None:
                     "(resume_from_checkpoint=True takes the newest complete one)")
     inner = os.path.join(path, CKPTIO_DIR)
     return inner if os.path.isdir(inner) else None
+
+
+def saved_argument(checkpoint: str, name: str) -> object:
+    """The TrainingArguments value ``name`` of the run that saved ``checkpoint`` (its
+    training_args.json), or None where that file is missing or unreadable (a checkpoint of
+    transformers' own Trainer holds training_args.bin) or lacks ``name``."""
+    try:
+        with open(os.path.join(checkpoint, "training_args.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return saved.get(name) if isinstance(saved, dict) else None

@@ -49,7 +49,13 @@ from ckptio.errors import (
     UnsupportedStateError,
 )
 from ckptio.format.types import Manifest
-from ckptio.hf_checkpoints import CKPTIO_DIR, checked, checkpoint_problem, last_checkpoint
+from ckptio.hf_checkpoints import (
+    CKPTIO_DIR,
+    checked,
+    checkpoint_problem,
+    last_checkpoint,
+    saved_argument,
+)
 from ckptio.options import Options
 from ckptio.rng import RNGState
 from ckptio.storage.local import runlease
@@ -231,6 +237,8 @@ class CkptioTrainerMixin:
                 "they are now, so it does not continue the saved run bitwise; resume from a "
                 "checkpoint saved without save_only_model for that", stacklevel=3)
         objects = {k: v for k, v in have.items() if k in wanted and k in held}
+        if "scheduler" in objects:
+            self._ckptio_check_schedule(checkpoint)
         if objects:  # the model beside them, not loaded: it names the optimizer's parameters
             self._ckptio_load(inner, objects, beside={"model": have["model"]})
         return False
@@ -253,6 +261,23 @@ class CkptioTrainerMixin:
                 "lr_scheduler_type, ...) that saved it: restore those, or start this "
                 "configuration as a new run (another output_dir, no resume_from_checkpoint); "
                 "strict=False is not available through the Trainer") from exc
+
+    def _ckptio_check_schedule(self, checkpoint: str) -> None:
+        """Refuse another lr_scheduler_type than the run that saved ``checkpoint``: most of
+        transformers' schedules are a LambdaLR whose state is the same (linear, cosine, ...)."""
+        t: Any = self
+        saved = saved_argument(checkpoint, "lr_scheduler_type")
+        kind = t.args.lr_scheduler_type
+        now = getattr(kind, "value", kind)
+        if saved is None or saved == now:
+            return
+        raise StateMismatchError(
+            f"cannot resume from {checkpoint}: this trainer's lr_scheduler_type {now!r} differs "
+            f"from the {saved!r} of the run that saved it ({checkpoint}/training_args.json; a "
+            "scheduler's saved state does not tell most schedules apart). CkptioTrainer "
+            "resumes a run with the TrainingArguments that saved it: restore "
+            f"lr_scheduler_type={saved!r}, or start this configuration as a new run (another "
+            "output_dir, no resume_from_checkpoint)")
 
     def _ckptio_record(self, inner: str) -> Manifest:
         """The manifest of ``inner``, read once for a resume's hooks (each loads a part)."""

@@ -111,7 +111,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
         self._leases = DirectoryLeases("this Lightning job",
-                                       "pass ckptio.lightning.CheckpointIO(take_over=True)",
+                                       f"pass ckptio.lightning.{type(self).__name__}"
+                                       "(take_over=True)",
                                        take_over)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -120,7 +121,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         is durable and committed. A previous checkpoint at ``path`` (``last.ckpt`` each time)
         stays whole until then and is replaced as Lightning asks, logged at INFO."""
         target = self._prepare_save(path, storage_options)
-        with _pickle_hint(self.allow_pickle):
+        with _pickle_hint(self.allow_pickle, type(self).__name__):
             self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle,
                                    process_group=self._own_group(), overwrite=True)
 
@@ -176,19 +177,21 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
 
     def _prepare_save(self, path: str | os.PathLike[str], storage_options: Any) -> str:
         """The path to save into, once the save is known to be possible: no storage_options,
-        no symlink at the path (replaced, as Lightning's torch.save would)."""
+        no symlink or file at the path (replaced, as Lightning's torch.save would: a file there
+        is a ``last.ckpt`` of Lightning's own TorchCheckpointIO, from before a plugin switch)."""
         target = os.fspath(path)
         if storage_options is not None:
             raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
                             "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
         check_path(target)
         self._leases.take(os.path.dirname(checkpoint_path(target)), target)
-        if os.path.islink(target):
+        if os.path.islink(target) or os.path.isfile(target):
             try:
                 os.remove(target)
             except OSError as exc:
-                raise StorageIOError(f"cannot replace the symlink {target} by a checkpoint: "
-                                     f"{exc.strerror or exc}") from None
+                raise StorageIOError(f"cannot replace {target} (a symlink or file) by a "
+                                     f"checkpoint: {exc.strerror or exc}; check the directory's "
+                                     "permissions") from None
         return target
 
     def _load_group(self, path: str) -> Any:
@@ -241,7 +244,7 @@ class AsyncCheckpointIO(CheckpointIO):
         target = self._prepare_save(path, storage_options)
         self._removals = [p for p in self._removals if not _same(p, target)]
         self.wait()
-        with _pickle_hint(self.allow_pickle):
+        with _pickle_hint(self.allow_pickle, type(self).__name__):
             self._handle = self.checkpointer.async_save(checkpoint, target,
                                                         allow_pickle=self.allow_pickle,
                                                         process_group=self._own_group(),
@@ -330,15 +333,16 @@ def _is_subclass(cls: type, package: str, *names: str) -> bool:
 
 
 @contextlib.contextmanager
-def _pickle_hint(allowed: bool) -> Iterator[None]:
-    """Adds the plugin's own way to opt in to an UnsupportedStateError a save raised."""
+def _pickle_hint(allowed: bool, plugin: str) -> Iterator[None]:
+    """Adds the ``plugin`` class's own way to opt in to an UnsupportedStateError a save
+    raised."""
     try:
         yield
     except UnsupportedStateError as exc:
         if allowed:
             raise
         raise UnsupportedStateError(
-            f"{exc} (through Lightning: ckptio.lightning.CheckpointIO(allow_pickle=True) "
+            f"{exc} (through Lightning: ckptio.lightning.{plugin}(allow_pickle=True) "
             "stores such values pickled, and loads them back)") from exc
 
 

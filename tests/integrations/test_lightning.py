@@ -398,6 +398,9 @@ def test_python_objects_need_allow_pickle_both_ways(tmp_path: Path, one_epoch: P
                        match=r"hyper_parameters\.data_dir.*CheckpointIO\(allow_pickle=True\)"):
         plugin("sync").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt" / "manifest.json").exists()
+    with pytest.raises(ckptio.UnsupportedStateError,  # the class the user made
+                       match=r"ckptio\.lightning\.AsyncCheckpointIO\(allow_pickle=True\)"):
+        plugin("async").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     plugin("sync", allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     with pytest.raises(ckptio.PickleRefusedError, match="hyper_parameters.data_dir"):
         plugin("sync").load_checkpoint(tmp_path / "a.ckpt")
@@ -424,6 +427,40 @@ def test_resume_from_a_torch_save_ckpt_of_lightnings_own_plugin(tmp_path: Path) 
     _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "c")],
          ckpt_path=str(old))
     assert ckptio.load(tmp_path / "c" / "epoch=1-step=16.ckpt")["global_step"] == 16
+
+
+def test_a_switch_in_the_same_dirpath_replaces_lightnings_own_last_ckpt(tmp_path: Path) -> None:
+    """Resumed from the ``last.ckpt`` file TorchCheckpointIO wrote, with ``save_last=True`` in
+    the same dirpath: the next save of ``last.ckpt`` replaces that file by a ckptio checkpoint
+    (it was refused: "exists and is not a directory")."""
+    ckpts = tmp_path / "ckpts"
+    _fit(tmp_path, None, epochs=1, callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)])
+    assert (ckpts / "last.ckpt").is_file()
+    _fit(tmp_path, plugin("sync"), epochs=2,
+         callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)], ckpt_path="last")
+    assert ckptio.load(ckpts / "last.ckpt", keys=["global_step"])["global_step"] == 16
+
+
+_HOLDER = """
+import sys, torch, ckptio.lightning
+io = ckptio.lightning.CheckpointIO()
+io.save_checkpoint({"w": torch.ones(1)}, sys.argv[1] + "/a.ckpt")
+print("SAVED", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_locked_dirpath_names_the_async_plugin_in_its_take_over_fix(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "SAVED"
+        with pytest.raises(ckptio.CheckpointLockedError) as caught:
+            plugin("async").save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt")
+        assert "ckptio.lightning.AsyncCheckpointIO(take_over=True)" in str(caught.value)
+    finally:
+        holder.communicate("", timeout=60)
 
 
 def test_the_standalone_pytorch_lightning_trainer_takes_the_plugins(tmp_path: Path) -> None:
