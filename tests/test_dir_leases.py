@@ -16,6 +16,7 @@ import pytest
 from ckptio.dir_leases import MOST_HELD, DirectoryLeases
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage.local.runlease import LEASE_NAME
+from test_rt_plugins_tiers import HOLDER  # a process holding a lease until its stdin ends
 
 
 def _open_fds() -> int:
@@ -54,16 +55,6 @@ def test_a_removed_folders_lease_is_let_go_at_the_next_save(tmp_path: Path) -> N
         leases.release()
 
 
-_HOLDER = """
-import sys
-from ckptio.storage.local import runlease
-lease = runlease.take(sys.argv[1], False, create=True)
-print("held", flush=True)
-sys.stdin.read()
-lease.release()
-"""
-
-
 def test_a_folder_let_go_is_checked_again_at_its_next_save(tmp_path: Path) -> None:
     leases = _leases()
     first = tmp_path / "checkpoint-0"
@@ -73,7 +64,7 @@ def test_a_folder_let_go_is_checked_again_at_its_next_save(tmp_path: Path) -> No
             leases.take(str(tmp_path / f"checkpoint-{n}"), f"step {n}")
         assert not (first / LEASE_NAME).exists()  # let go
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        other = subprocess.Popen([sys.executable, "-c", _HOLDER, str(first)], env=env,
+        other = subprocess.Popen([sys.executable, "-c", HOLDER, str(first)], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert other.stdout is not None and other.stdout.readline().strip() == "held"
