@@ -7,11 +7,12 @@ its first save (the first tier's, which that save creates): an exclusive flock(2
 file for the manager's life (the kernel lets go when the process dies, however it dies), with
 the holder's record (storage/holder.py: host, boot, pid, start time) written into it for the
 message the next job sees. A second manager on that directory is refused at once naming the
-holder, unless ``take_over=True`` (a restarted job whose old processes, e.g. DataLoader workers
-that inherited the open file, may linger): then it warns and goes on without the lock; at its
-first save (``create``, or ``claim()``) it writes its own record into the file. The holder
-compares the file with the record it wrote at each of its manager's saves (``lost``):
-rewritten by another job, its lease was taken over. A manager made with ``take_over=True``
+holder, unless ``take_over=True`` (a restarted job whose old processes may linger): then it
+warns and goes on without the lock; at its first save (``create``, or ``claim()``) it writes
+its own record into the file. The holder compares the file with the record it wrote at each
+of its manager's saves (``lost``): rewritten by another job, its lease was taken over. A child
+the holder forks (a DataLoader worker) closes its copy of the open file at once, so the lock
+ends with the holder, not its last lingering child. A manager made with ``take_over=True``
 that never saves (a reader of a live run) takes nothing from the job that trains there.
 
 Call order: ``take(directory, take_over)`` -> the manager runs -> ``release()`` (close():
@@ -28,8 +29,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import contextlib
 import logging
 import os
+import weakref
 
 from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
@@ -56,6 +59,8 @@ class RunLease:
     def __init__(self, directory: str, fd: int | None, mine: bytes = b"",
                  taken: bool = False) -> None:
         self.directory, self.fd = directory, fd
+        if fd is not None:
+            _HELD.add(self)  # closed in a forked child (_not_in_children)
         self._mine = mine  # the record written
         self._lost: str | None = None  # the taker, once seen
         self._taken = taken  # taken over, not claimed yet (claim())
@@ -115,6 +120,24 @@ class RunLease:
         except OSError as exc:  # the file system gone (a dead NFS server or FUSE mount)
             log.warning("ckptio: closing the run lease in %s failed: %s", self.directory,
                         exc.strerror or exc)
+
+
+_HELD: weakref.WeakSet[RunLease] = weakref.WeakSet()  # the leases this process holds
+
+
+def _not_in_children() -> None:
+    """After a fork, in the child: its copies of the leases' open files closed (the lock is on
+    the open file, which the child shares: the parent's lock would outlive the parent in a
+    lingering DataLoader worker); the child holds no lease (``held`` False, nothing released)."""
+    for lease in list(_HELD):
+        fd, lease.fd = lease.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_children)
 
 
 def take(directory: str, take_over: bool, *, create: bool,
