@@ -74,10 +74,9 @@ class DirectoryLeases:
         """Release the leases of the folders removed since this job saved there, and of all but
         the MOST_HELD folders saved into last (one lease and file descriptor per save of a job
         saving each step into a folder of its own would pile up until the teardown)."""
-        old = [d for d in self._held if d != newest and not os.path.isdir(d)]
-        old += [d for d in self._held if d not in old][:max(0, len(self._held) - len(old)
-                                                              - MOST_HELD)]
-        for directory in old:
+        gone = [d for d in self._held if d != newest and not os.path.isdir(d)]
+        kept = [d for d in self._held if d not in gone]  # oldest first, ``newest`` last
+        for directory in gone + kept[:max(0, len(kept) - MOST_HELD)]:
             self._held.pop(directory).release()
 
     def release(self) -> None:
