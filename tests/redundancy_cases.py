@@ -22,6 +22,10 @@ from ckptio import Tier
 
 MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
+# the time the others' restore has to name a rank killed mid-transfer: the stated bound, one
+# transfer's peer_timeout_s (a holder that left with this rank's share unreceived is waited for
+# that long; most runs take under a second), and a loaded machine's slack; never step_timeout_s
+PEER_GONE_S = OPTS.peer_timeout_s + 30
 
 
 # delta saves with the other manager features (issue 44): the best step by loss kept in memory,

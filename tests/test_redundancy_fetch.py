@@ -23,7 +23,7 @@ from ckptio.redundancy.copy_fetch import Fetch, Receiving
 from tests.fetch_cases import (chains_in_order, restore, restore_a_holder_dies,
                                restore_counted, restore_some_leave, restore_written_later,
                                save)
-from tests.redundancy_cases import host_dir, wipe_host
+from tests.redundancy_cases import PEER_GONE_S, host_dir, wipe_host
 
 TIMEOUT = 240
 OVERHEAD = 64 * 1024  # a piece's rounding, per rank: far below any other member's step
@@ -61,8 +61,8 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
         base, tmp_path):
     """Parity(k=3) on 4 hosts, host 1 lost; rank 2 dies (SIGKILL) as it passes on its first
     piece of rank 1's rebuild: the other ranks' restore raises RankFailedError (a restore
-    from other hosts' memory failed, restart the job) within seconds, nothing half-installed;
-    the restarted job (rank 2's host and memory intact) rebuilds rank 1 bitwise."""
+    from other hosts' memory failed, restart the job) within peer_timeout_s, nothing
+    half-installed; the restarted job (rank 2's host and memory intact) rebuilds rank 1 bitwise."""
     disk = str(tmp_path / "disk")
     run_ranks(4, save, base, disk, "parity", 6, timeout_s=TIMEOUT)
     wipe_host(base, 1)
@@ -71,7 +71,7 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
         error = failed[rank]["error"]
         assert error and error.startswith("RankFailedError"), (rank, failed[rank])
         assert "restoring from the memory of other hosts failed" in error, error
-        assert failed[rank]["seconds"] < 60, failed[rank]
+        assert failed[rank]["seconds"] < PEER_GONE_S, failed[rank]
     assert not os.path.exists(os.path.join(host_dir(base, 1), "run", "r00001", "step-1"))
     restored = run_ranks(4, restore, base, disk, "parity", 6, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
@@ -285,9 +285,11 @@ def test_a_flipped_byte_in_a_split_copy_is_fetched_again_one_holder_at_a_time(ba
 def test_a_holder_killed_while_sending_its_share_is_named_then_the_next_job_restores(
         base, tmp_path):
     """Partners(2), host 2 lost; rank 0 dies (SIGKILL) as it is about to send its share of
-    rank 2's copy (rank 3 sends its own): the other ranks' restore raises RankFailedError (a restore from other
-    hosts' memory failed, restart the job) within seconds, nothing installed; the restarted
-    job (rank 0's host intact) restores rank 2 bitwise from both holders."""
+    rank 2's copy (rank 3 sends its own): the other ranks' restore raises RankFailedError (a
+    restore from other hosts' memory failed, restart the job) within peer_timeout_s (most runs:
+    under a second; one CI run: 60.03 s for rank 3, one transfer's deadline), nothing
+    installed; the restarted job (rank 0's host intact) restores rank 2 bitwise from both
+    holders."""
     disk = str(tmp_path / "disk")
     run_ranks(4, save, base, disk, "partners2", 9, timeout_s=TIMEOUT)
     wipe_host(base, 2)
@@ -297,7 +299,7 @@ def test_a_holder_killed_while_sending_its_share_is_named_then_the_next_job_rest
         error = failed[rank]["error"]
         assert error and error.startswith("RankFailedError"), (rank, failed[rank])
         assert "restoring from the memory of other hosts failed" in error, error
-        assert failed[rank]["seconds"] < 60, failed[rank]
+        assert failed[rank]["seconds"] < PEER_GONE_S, failed[rank]
     assert not os.path.exists(os.path.join(host_dir(base, 2), "run", "r00002", "step-1"))
     restored = run_ranks(4, restore, base, disk, "partners2", 9, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
