@@ -126,8 +126,9 @@ class Options:
         them during a load (the bound on the cores compression takes; the training thread never
         compresses).
     rank_timeout_s: with torch.distributed, a rank that shows no sign of life for this long
-        while the others wait for it at a step of a save or load (killed, crashed, frozen, cut
-        off) makes every live rank raise RankFailedError naming it; nothing is committed.
+        while the others wait for it at a step of a save or load, or where the ranks of a
+        restore from other hosts' memory meet (killed, crashed, frozen, cut off) makes every
+        live rank raise RankFailedError naming it; nothing is committed.
     step_timeout_s: the longest a rank that is alive may keep the others waiting at one step
         (e.g. while it still writes its share); then the same RankFailedError. Give every rank
         the same two deadlines.

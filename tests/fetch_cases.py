@@ -156,6 +156,41 @@ def restore_a_holder_dies(rank: int, world: int, base: str, disk: str, spec: str
     return restore(rank, world, base, disk, spec, mib)
 
 
+def restore_a_rank_freezes(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+                           victim: int, where: str) -> dict[str, Any]:
+    """restore() with rank_timeout_s=5, peer_timeout_s=5 and step_timeout_s=120, rank
+    ``victim`` frozen (SIGSTOP: alive to the kernel, its connections open, no answer) at the
+    restore's first gather (``where`` "inventory") or at the gather of its transfers' metadata
+    ("transfer") -> the others' error and the seconds it took."""
+    import dataclasses
+
+    from ckptio.redundancy import rebuild
+
+    if rank == victim:
+        name = {"inventory": "inventory", "transfer": "_transfer"}[where]
+        original = getattr(rebuild, name)
+
+        def freezes(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return original(*args, **kwargs)
+
+        setattr(rebuild, name, freezes)
+    _host(rank, base)
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    options = dataclasses.replace(OPTS, rank_timeout_s=5.0, peer_timeout_s=5.0,
+                                  step_timeout_s=120.0)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    started = time.monotonic()
+    try:
+        mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
+                "ranks": list(getattr(exc, "ranks", ())), "untouched": not state["w"].any()}
+    finally:
+        mgr.close()
+    return {"error": None}
+
+
 def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
                     mib: int) -> dict[str, Any]:
     """restore(), counting during ``mgr.restore`` the bytes this rank hashed with xxh3 (the

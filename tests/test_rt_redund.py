@@ -244,15 +244,17 @@ def test_a_damaged_protection_marker_is_named_and_the_disk_step_restored(base, t
 
 def one_rank_leaves_before_restore(rank: int, world: int, base: str, disk: str,
                                    leaver: int) -> dict[str, Any]:
-    """Every rank makes its manager; rank ``leaver`` then exits (never calls restore) while the
-    others restore -> their error ("Type|message") and the seconds it took."""
+    """Every rank makes its manager (rank_timeout_s=5); rank ``leaver`` then exits (never calls
+    restore) while the others restore -> their error ("Type|message") and the seconds it
+    took."""
     os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
     os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank)
     import torch
 
     mgr = ckptio.CheckpointManager(tiers=[
         ckptio.Tier("shm://run", keep_last=2, redundancy=ckptio.Partners(1)),
-        ckptio.Tier(disk, every=2, keep_last=2)], options=OPTS)
+        ckptio.Tier(disk, every=2, keep_last=2)],
+        options=dataclasses.replace(OPTS, rank_timeout_s=5.0))
     if rank == leaver:
         time.sleep(1.0)  # the others are in restore() by now
         return {"error": "", "seconds": 0.0}
@@ -268,6 +270,8 @@ def one_rank_leaves_before_restore(rank: int, world: int, base: str, disk: str,
 
 def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterror(
         base, tmp_path):
+    """Rank 2 exits instead of calling restore(): the others raise RankFailedError naming it
+    within rank_timeout_s (its heartbeat in the job's store stops), where the ranks meet."""
     disk = str(tmp_path / "disk")
     run_ranks(3, train, base, disk, 1, "partners-1", 2, timeout_s=TIMEOUT)
     got = run_ranks(3, one_rank_leaves_before_restore, base, disk, 2, timeout_s=TIMEOUT,
@@ -275,8 +279,9 @@ def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterr
     for rank in (0, 1):
         error, seconds = got[rank]["error"], got[rank]["seconds"]
         assert error.startswith("RankFailedError|"), error
-        assert "does not call restore() at this point" in error, error
-        assert seconds < 30, seconds
+        assert "stopped where the ranks meet, waiting for rank 2 on host 2" in error, error
+        assert "no sign of life for 5 s (Options.rank_timeout_s)" in error, error
+        assert seconds < 5 + 15, seconds
 
 
 def test_more_hosts_lost_than_the_redundancy_covers_names_the_fix(base: str,

@@ -142,6 +142,19 @@ class StoreGroup:
                             "job's store (a publish that failed in an earlier save?); save again")
         return self._call(lambda: _multi_get(self.store, keys))
 
+    def record_failure(self, ranks: list[int], why: str) -> None:
+        """Record that ``ranks`` (group ranks) failed, ``why``, without waiting (the first
+        record stands): every rank waiting in this group raises it at its next look. For a
+        rank that leaves the group's steps after an error found outside them (a transfer with
+        a peer that died), so that the others do not wait for it, alive, up to step_s."""
+        named = "; ".join(f"rank {r}{_global(r, self.members)}: {why}" for r in ranks[:8])
+        try:
+            self.store.compare_set(self._key("failed"), "", named)
+        except RuntimeError:  # torch's DistError family: the store's host is gone, which the
+            return  # others find out at their next look
+        self._failed_seen = True
+        self._dead.update(ranks)
+
     # ------------------------------------------------------------- steps
 
     def _next(self, kind: str) -> int:

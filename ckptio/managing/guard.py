@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptio.distributed.dist import mark_piece, silent_ranks
+from ckptio.distributed.dist import mark_piece, over_torch, silent_ranks
 from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.select import checkpoint_path
 from ckptio.redundancy import elastic, marks, peers
@@ -37,6 +37,7 @@ from ckptio.redundancy.protect import Protector
 from ckptio.redundancy.rebuild import Context, Recovery, recover
 from ckptio.redundancy.redundancy import Partners
 from ckptio.managing.tier import Tier
+from ckptio.options import Options
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
 
@@ -52,8 +53,7 @@ def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
 class Guard:
     """The redundancy of one manager on this rank (module docstring). Construct on every rank."""
 
-    def __init__(self, tiers: Sequence[Tier], process_group: Any, timeout_s: float,
-                 peer_timeout_s: float) -> None:
+    def __init__(self, tiers: Sequence[Tier], process_group: Any, options: Options) -> None:
         spec = tiers[0].redundancy
         assert spec is not None  # internal: made only for a tier with redundancy
         if not dist.is_available() or not dist.is_initialized():
@@ -68,11 +68,10 @@ class Guard:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # gloo groups of their own, never the training's. ``group``: the protection thread's,
         # a peer gone noticed after peer_timeout_s; ``control``: this (the caller's) thread's
-        # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
-        # while the others wait), so the two threads never interleave on one group
-        self.peer_timeout_s = peer_timeout_s
+        # gathers (a restore's: ``meeting``), so the two threads never interleave on one group
+        self.peer_timeout_s = peer_timeout_s = options.peer_timeout_s
         self.group = _job_group(peer_timeout_s, peer_timeout_s)
-        self.control = _job_group(timeout_s, peer_timeout_s)
+        self.control = _job_group(peer_timeout_s, peer_timeout_s)
         # ``prompt``: the caller's thread's exchanges that every rank makes at once, the
         # listing of steps()/latest() and a restore's sends and receives (rebuild.py, regrow.py,
         # reshard_fetch.py): a peer frozen, or gone elsewhere after an error of its own (its
@@ -86,6 +85,11 @@ class Guard:
                 f"managers were being made ({type(exc).__name__}: {exc}); restart the job") \
                 from exc
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
+        # a restore's ranks meet over the job's store first (peers.Meeting): a rank dead or
+        # frozen is named after rank_timeout_s, one alive but busy waited for up to
+        # step_timeout_s (a rank may load from a slow tier while the others wait)
+        self.meeting = peers.Meeting(over_torch(dist.group.WORLD, options), self.control,
+                                     self.rank, self.topology.name_ranks)
         # this rank's saves: a group of this rank alone, made by it alone (no collective, one
         # group whatever the number of ranks; new_subgroups made one per rank on every rank)
         self.single = dist.new_group([self.rank], backend="gloo", use_local_synchronization=True)
@@ -133,7 +137,7 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - said at the inventory's gather, raised on
             # every rank there: no rank waits for this one (step_timeout_s)
             failed = failed or f"{type(exc).__name__}: {exc}"
-        context = Context(self.spec, self.topology, self.control, self.prompt, self.rank,
+        context = Context(self.spec, self.topology, self.meeting, self.prompt, self.rank,
                           self.root, self._own_dir, verify)
         recovery = recover(context, own, anywhere, only, {"others": others, "pieces": pieces},
                            failed)
@@ -165,7 +169,7 @@ class Guard:
                                [extra["pieces"] for extra in recovery.extras])
 
     def _restart_context(self) -> elastic.Context:
-        return elastic.Context(self.control, self.prompt, self.rank, self.world, self.topology,
+        return elastic.Context(self.meeting, self.prompt, self.rank, self.world, self.topology,
                                self.root)
 
     def union(self, steps: list[int]) -> list[int]:
@@ -186,13 +190,15 @@ class Guard:
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Collective: every rank's outcome (JSON), in rank order; RankFailedError when a rank
         died or gave no answer."""
+        own = f"; this rank's own failed: {mine['error']}" if mine.get("error") else ""
         try:
-            return peers.all_gather_json(self.control, mine)
+            return self.meeting.all_gather_json(mine)
+        except RankFailedError as exc:  # a rank dead, frozen or late where the ranks meet
+            raise RankFailedError(f"{exc}{own}", exc.ranks) from exc
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-            own = f"; this rank's own failed: {mine['error']}" if mine.get("error") else ""
             raise RankFailedError(
                 f"rank {self.rank}: exchanging the ranks' outcomes of a restore got no answer "
-                f"from every rank: a rank died or gave no answer within step_timeout_s "
+                f"from every rank: a rank died or gave no answer within peer_timeout_s "
                 f"({type(exc).__name__}: {exc}){own}; restart the job") from exc
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:

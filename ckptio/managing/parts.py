@@ -92,8 +92,7 @@ class ManagerParts:
         self._guard: Guard | None = None
         job_group = process_group
         if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
-            self._guard = Guard(self.tiers, process_group, settings.step_timeout_s,
-                                settings.peer_timeout_s)
+            self._guard = Guard(self.tiers, process_group, settings)
             self.tiers, process_group = self._guard.tiers, self._guard.single
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer or Checkpointer(settings)

@@ -56,7 +56,7 @@ MAX_ROUNDS = 16
 class Context:
     """What the restart needs of the Guard on this rank."""
 
-    group: Any  # the gloo control group (its gathers)
+    meeting: peers.Meeting  # its gathers
     transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
     rank: int
     world: int
@@ -112,7 +112,7 @@ class Restart:
             # ``reports``: every rank's survey, gathered already (with the same-world
             # recovery's inventory: managing/guard.py), else gathered here
             self.reports = [list(r) for r in (
-                peers.all_gather_json(ctx.group, survey(ctx)) if reports is None else reports)]
+                ctx.meeting.all_gather_json(survey(ctx)) if reports is None else reports)]
             self.regrown = regrow(ctx, self.reports, skipped)
             self.received = self.regrown.received
             for rank, found in self.regrown.found.items():  # rebuilt: held in its memory
@@ -136,7 +136,7 @@ class Restart:
             mine = {str(k): _manifest(self.ctx, step, k, kind)
                     for k, (kind, holder) in sources.items() if holder == self.ctx.rank}
             read: dict[str, Any] = {}
-            for part in peers.all_gather_json(self.ctx.group, mine):
+            for part in self.ctx.meeting.all_gather_json(mine):
                 read.update(part)
             failed = {int(k): r["why"] for k, r in read.items() if not r["ok"]}
             if not failed:
@@ -172,7 +172,7 @@ class Restart:
         except CkptError as exc:  # said to every rank below: none is left waiting
             error = str(exc) if isinstance(exc, StateMismatchError) else (
                 f"{type(exc).__name__}: {exc}")
-        every = peers.all_gather_json(ctx.group, {"needs": needs, "error": error})
+        every = ctx.meeting.all_gather_json({"needs": needs, "error": error})
         errors = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
         if errors:
             raise StateMismatchError(f"step {choice.step} cannot be resharded from memory into "
@@ -185,7 +185,7 @@ class Restart:
         payloads, sums, failed = exchange.read(ctx, choice, layouts, out)
         bad: dict[str, str] = {}
         mine: list[Any] = []
-        for part in peers.all_gather_json(ctx.group, {"failed": failed, "sums": sums}):
+        for part in ctx.meeting.all_gather_json({"failed": failed, "sums": sums}):
             bad.update(part["failed"])
             mine += part["sums"].get(str(ctx.rank), [])
         if bad:
@@ -221,14 +221,15 @@ def _named(ctx: Context, what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-        raise _failed(ctx, what, exc) from exc
+        error = _failed(ctx, what, exc)
+        ctx.meeting.leave([], str(error))  # the ranks not in a transfer with it wait there
+        raise error from exc
 
 
 def _failed(ctx: Context, what: str, exc: RuntimeError) -> RankFailedError:
     return RankFailedError(
         f"rank {ctx.rank}: a restart on {ctx.world} ranks failed {what} from the memory of "
         f"other hosts: a rank holding pieces of it or receiving its part died or gave no "
-        f"answer in time (peer_timeout_s for a transfer, step_timeout_s for an exchange of "
-        f"what the ranks hold) ({type(exc).__name__}: {exc}); nothing was loaded "
+        f"answer within peer_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded "
         "and every piece in memory is kept: restart the job (the restore is made again "
         "with the ranks alive then)")

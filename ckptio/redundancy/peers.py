@@ -8,7 +8,9 @@ protection (protect.py) and restore (rebuild.py) share.
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
   messages, point-to-point send/recv of uint8 tensors; under a bandwidth budget (budget.py)
-  in chunks of budget.CHUNK, every receive posted before the first paced send.
+  in chunks of budget.CHUNK, every receive posted before the first paced send. The caller's
+  thread's gathers meet first over the job's store (``Meeting``), so that a rank frozen or
+  dead is named after rank_timeout_s, not after the gather's own timeout.
 Where the copies live on each host: marks.py.
 
 Owns: the stream, its reading and writing, the transport. Does not own: what to send where
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,14 +31,14 @@ import torch.distributed as dist
 import xxhash
 
 from ckptio.alignment import align_up
-from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.redundancy.budget import CHUNK, Budget
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.mapped import new_shared_file, on_tmpfs
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
+__all__ = ["Meeting", "Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
            "chunk_spans",
            "digest", "files_of", "landing_buffer",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
@@ -257,6 +260,41 @@ def xor_into(acc: torch.Tensor, data: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------ transport (gloo)
+
+class Meeting:
+    """The gathers of a restore on the caller's thread (inventories, metadata, outcomes).
+    Every rank first says it is there over the job's store (``arrivals``: a StoreGroup of
+    every rank; storegroup.py): a rank that died or froze is named after rank_timeout_s, one
+    alive but still busy (protecting, loading from a slow tier) is waited for up to
+    step_timeout_s. Then the values go over ``group``, a gloo group of peer_timeout_s, as
+    every rank is at the gather by then: a gloo gather alone waits its whole timeout for a
+    frozen rank."""
+
+    def __init__(self, arrivals: Any, group: Any, rank: int,
+                 name_ranks: Callable[[Sequence[int]], str]) -> None:
+        self.arrivals, self.group, self.rank = arrivals, group, rank
+        self.name_ranks = name_ranks  # Topology.name_ranks: ranks with their hosts
+
+    def all_gather_json(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON), in rank order, once every rank has come."""
+        try:
+            self.arrivals.all_gather(b"")
+        except RankFailedError as exc:
+            raise RankFailedError(
+                f"rank {self.rank}: a restore from the memory of other hosts stopped where the "
+                f"ranks meet, waiting for {self.name_ranks(exc.ranks) or 'a rank'}: {exc}; "
+                "restart the job (the restore is made again with the ranks alive then)",
+                exc.ranks) from exc
+        return all_gather_json(self.group, value)
+
+
+    def leave(self, ranks: Sequence[int], why: str) -> None:
+        """This rank leaves the restore, ``why`` (a transfer found ``ranks`` gone), instead of
+        coming to the next meeting: recorded in the job's store, so that every rank waiting
+        there raises it at its next look, not after step_timeout_s (this rank is alive)."""
+        self.arrivals.record_failure(list(ranks) or [self.rank],
+                                     f"found gone by rank {self.rank}'s restore ({why})")
+
 
 def all_gather_json(group: Any, value: Any) -> list[Any]:
     """Every rank's ``value`` (JSON), in group rank order."""

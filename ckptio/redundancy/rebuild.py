@@ -1,8 +1,8 @@
 """Restore with redundancy across hosts: agree on the newest step every rank can obtain, verified,
 and bring the missing ranks' copies into their memory first.
 
-Call order: ``recover(Context(...), own, anywhere)``, collective over the redundancy's gloo
-group, on every rank, before the load (the Guard, guard.py): an inventory of every rank, one
+Call order: ``recover(Context(...), own, anywhere)``, collective (its gathers: peers.Meeting;
+its transfers: gloo), on every rank, before the load (the Guard, guard.py): an inventory, one
 plan made the same on every rank (recovery_plan.py), the transfers, a verified install
 (landing.py: the step loaded next is offered from memory and written in the background), a new
 plan where an item fails (``recover`` spells the steps out).
@@ -64,9 +64,7 @@ class Context:
 
     spec: Partners | Parity
     topology: Topology
-    # the gloo group of its gathers (the Guard's control group: step_timeout_s, as a rank not
-    # in a transfer waits in the gather after it for the whole transfer)
-    group: Any
+    meeting: peers.Meeting  # its gathers (a rank outside a transfer waits there for all of it)
     transfers: Any  # the gloo group of its sends and receives (guard.py: peer_timeout_s)
     rank: int
     root: str  # the memory tier's local directory (marks.py's layout under it)
@@ -119,7 +117,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     """
     mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra, "failed": failed}
     try:
-        invs = peers.all_gather_json(ctx.group, mine)  # every rank's restore meets here
+        invs = ctx.meeting.all_gather_json(mine)  # every rank's restore meets here
         left.raise_said(ctx, {r: inv["failed"] for r, inv in enumerate(invs) if inv["failed"]},
                         WHAT)
         result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
@@ -129,16 +127,17 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
                              if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
         _rounds(ctx, invs, result, only)
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-        gone = silent_ranks(ctx.topology.others(ctx.rank), ctx.group)
+        gone = silent_ranks(ctx.topology.others(ctx.rank), ctx.transfers)
         who = ctx.topology.name_ranks(gone) or "a rank of the job"
-        raise RankFailedError(
+        error = RankFailedError(
             f"rank {ctx.rank}: restoring from the memory of other hosts failed: {who} (one it "
             "exchanges its inventory, copies, parity or pieces of a rebuild with) died, does "
-            "not call restore() at this point, or gave no answer in time (step_timeout_s for "
-            "an exchange of the ranks, peer_timeout_s for a transfer) "
+            "not call restore() at this point, or gave no answer within peer_timeout_s "
             f"({type(exc).__name__}: {exc}); nothing was loaded and every step in memory is "
             "kept: restart the job (the restore is made again with the ranks alive then)",
-            tuple(gone)) from exc
+            tuple(gone))
+        ctx.meeting.leave(gone, str(error))  # the ranks not in a transfer with it wait there
+        raise error from exc
     finally:
         _drop_placed(ctx)
     result.received, result.pending = ctx.received, ctx.landings
@@ -178,8 +177,8 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
         if all(src[0] == "own" for src in each_sources.values()):
             continue  # nothing to move: alike on every rank, so no gather either
         later = each == step  # the step loaded next: written while it loads (landing.py)
-        merged = {item: why for part in peers.all_gather_json(
-            ctx.group, _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
+        merged = {item: why for part in ctx.meeting.all_gather_json(
+            _transfer(ctx, each, each_sources, later)) for item, why in part.items()}
         left.raise_said(ctx, left.said_by(merged), WHAT, ctx.transfers)
         if merged:
             return merged
@@ -210,7 +209,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             mine[item], data = _read_item(ctx, item, step)
             if data is not None:
                 payload[item] = data
-    metas = {item: meta for part in peers.all_gather_json(ctx.group, mine)
+    metas = {item: meta for part in ctx.meeting.all_gather_json(mine)
              for item, meta in part.items()}
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:

@@ -88,7 +88,7 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
         return out  # no piece of another rank count: nothing to rebuild (alike everywhere)
     topo = ctx.topology
     first = topo.hosts[topo.host_of(ctx.rank)][0] == ctx.rank
-    blocks = peers.all_gather_json(ctx.group, survey_blocks(ctx.root, first))
+    blocks = ctx.meeting.all_gather_json(survey_blocks(ctx.root, first))
     bad: set[str] = set()
     for _ in range(MAX_ROUNDS):
         chosen = regrowths(reports, blocks, ctx.world, bad, None)
@@ -102,7 +102,7 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
                 out.received += got
                 kept += [store] if store is not None else []
                 failures: dict[str, str] = {}
-                for part in peers.all_gather_json(ctx.group, mine):
+                for part in ctx.meeting.all_gather_json(mine):
                     failures.update(part)
                 left.raise_said(ctx, left.said_by(failures), f"rebuilding rank {task.rank}'s "
                                 f"piece of step {task.step} from parity", ctx.transfers)
@@ -147,7 +147,7 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore |
         if task.blocks[j] == ctx.rank:
             mine[f"block {j}"], payload[f"block:{j}"] = _read_block(ctx, task, j)
     metas: dict[str, Any] = {}
-    for part in peers.all_gather_json(ctx.group, mine):
+    for part in ctx.meeting.all_gather_json(mine):
         metas.update(part)
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
