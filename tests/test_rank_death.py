@@ -145,3 +145,19 @@ def test_a_frozen_victim_that_is_continued_stops_again(tmp_path):
     finally:
         proc.kill()
         proc.join(timeout=10)
+
+
+def test_a_rank_whose_interpreter_ended_is_named_at_once_not_after_the_deadline(tmp_path):
+    """Rank 2's script ends after the first save (its interpreter finalizes: ended or raised)
+    while ranks 0 and 1 save again: their save raises RankFailedError naming rank 2 as
+    exited within seconds (it said so to the job's store at its exit, liveness.GONE), not
+    after rank_timeout_s (60 s here: that is what a killed rank still costs); nothing of step
+    2 is committed and step 1 still loads."""
+    path = str(tmp_path / "ckpt")
+    got = run_ranks(WORLD, cases.save_then_exit, path, 2, 60.0, spawn=True, timeout_s=240)
+    for rank in (0, 1):
+        kind, _when, message, ranks, _state, seconds = got[rank]
+        assert kind == "RankFailedError" and ranks == (2,), got[rank]
+        assert "its process exited while rank 0 waited for" in message, message
+        assert seconds < 30, got[rank]
+    _check_first_save_loads(path)

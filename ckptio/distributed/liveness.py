@@ -5,8 +5,9 @@ store (the rendezvous store every torch.distributed job has) from a small thread
 ``interval`` seconds: ``ckptio/alive/<global rank>``. A rank waiting for others (``Watch``)
 reads the counters of the ranks it waits for; one whose counter has not moved for the
 deadline, by the waiting rank's own monotonic clock, is taken as dead (killed, crashed, frozen,
-or cut off). A rank that is slow but alive (still writing its share) keeps beating and is waited
-for. Comparing counters rather than timestamps needs no synchronised clocks.
+or cut off); one whose interpreter ended says so as it exits (its counter made negative) and
+is dead at once. A rank that is slow but alive (still writing its share) keeps beating and is
+waited for. Comparing counters rather than timestamps needs no synchronised clocks.
 
 Owns: the beating thread (one per process and store; stopped at interpreter exit, after the
 saves still running there have finished, or when the store stops answering: not by
@@ -16,14 +17,17 @@ rule. Does not own: the messages of a step or what a dead rank means (storegroup
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["SILENT_BEATS", "Watch", "beat", "key_of", "silent"]
+__all__ = ["GONE", "SILENT_BEATS", "Watch", "beat", "key_of", "silent"]
 
 SILENT_BEATS = 3  # silent(): a rank whose counter does not move for this many beats is gone
+GONE = 1 << 40  # taken off a rank's counter as its process exits: seen gone at once
 _lock = threading.Lock()
 _beating: dict[int, _Beat] = {}  # id(store) -> its thread (the store object is kept by it)
 
@@ -35,6 +39,7 @@ def key_of(global_rank: int) -> str:
 class _Beat:
     def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
         self.store, self.key, self.interval_s = store, key_of(global_rank), interval_s
+        self.pid = os.getpid()  # a child forked from this process is not this rank
         self.stop = threading.Event()
         # Not a daemon: a daemon inside a store call while the interpreter finalizes aborts the
         # process; the exit hook below stops it within one interval instead.
@@ -59,7 +64,9 @@ def beat(store: Any, global_rank: int, interval_s: float) -> None:
             return
         if running is not None:
             running.stop.set()
-        store.add(key_of(global_rank), 1)  # seen alive from now on, before any step can wait
+        if int(store.add(key_of(global_rank), 1)) < 0:  # seen alive from now on, before any
+            store.add(key_of(global_rank), GONE)  # step can wait; a process before with this
+            # rank (the store outlived it: a job re-formed around it) had said it exited
         started = _Beat(store, global_rank, interval_s)
         _beating[id(store)] = started
         started.thread.start()
@@ -72,6 +79,23 @@ def _stop_at_exit() -> None:
 
 
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+
+
+def _gone_at_exit() -> None:
+    """As the interpreter ends (after its threads, an async save's and the beats', were
+    joined): each store this process beat in is told (its counter made negative), so that a
+    rank waiting for this one names it at its next look, not after the deadline. A process
+    killed, or ended by os._exit, says nothing: its silence is the deadline's."""
+    beating = list(_beating.values())  # no lock: the beats are joined (and a forked child
+    # may hold a copy of a lock some thread of its parent held)
+    for running in (b for b in beating if b.pid == os.getpid()):
+        try:
+            running.store.add(running.key, -GONE)
+        except RuntimeError:  # the store is gone (its host exited): nobody left to tell
+            pass
+
+
+atexit.register(_gone_at_exit)  # atexit's functions run after the threads are joined
 
 
 def silent(store: Any, global_ranks: Iterable[int]) -> list[int]:
@@ -87,8 +111,8 @@ def silent(store: Any, global_ranks: Iterable[int]) -> list[int]:
     try:
         before = {rank: int(store.add(key_of(rank), 0)) for rank in ranks}
         time.sleep(SILENT_BEATS * running.interval_s)
-        return [rank for rank in ranks
-                if before[rank] and int(store.add(key_of(rank), 0)) == before[rank]]
+        return [rank for rank in ranks if before[rank] < 0
+                or (before[rank] and int(store.add(key_of(rank), 0)) == before[rank])]
     except RuntimeError:  # the store is gone (its host exited)
         return []
 
@@ -102,6 +126,7 @@ class Watch:
     def __init__(self, store: Any, deadline_s: float) -> None:
         self.store, self.deadline_s = store, deadline_s
         self.seen: dict[int, tuple[int, float]] = {}  # global rank -> (counter, when it moved)
+        self.exited: set[int] = set()  # the ranks found stale because their process said so
         self.began = time.monotonic()
 
     def stale(self, global_ranks: Iterable[int]) -> list[int]:
@@ -110,6 +135,10 @@ class Watch:
         dead = []
         for rank in global_ranks:
             count = int(self.store.add(key_of(rank), 0))
+            if count < 0:  # its process exited (_gone_at_exit)
+                self.exited.add(rank)
+                dead.append(rank)
+                continue
             last = self.seen.get(rank)
             if last is None or last[0] != count:  # first seen: counts from the wait's start
                 last = self.seen[rank] = (count, self.began if last is None else now)

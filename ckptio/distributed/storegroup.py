@@ -279,6 +279,10 @@ class StoreGroup:
         by_global = {self.members[r]: r for r in missing if r not in self._dead}
         stale = {by_global[g] for g in watch.stale(by_global)}
         dead = sorted(stale | (self._dead & {*missing}))
+        exited = {by_global[g] for g in watch.exited if g in by_global}
+        if dead and exited.issuperset(dead):
+            return dead, (f"its process exited while rank {self.rank} waited for {what} (it "
+                          "ended, saying so to the job's store): see that rank's own error")
         if dead and (stale or not all(r in self._why for r in dead)):
             return dead, (f"no sign of life for {self.deadlines.rank_s:g} s (Options."
                           f"rank_timeout_s) while rank {self.rank} waited for {what}: its "

@@ -26,7 +26,7 @@ from ckptio.distributed import collective, loadsteps, rankplan, storegroup
 from ckptio.saving import persist
 
 __all__ = ["PHASES", "arm", "killer", "load_killed", "options", "process_state", "save_for_load",
-           "save_killed", "victim_pid"]
+           "save_killed", "save_then_exit", "victim_pid"]
 
 PHASES = ("save:plan", "save:agree", "save:write", "save:conclude", "load:keys", "load:read",
           "load:end")
@@ -129,3 +129,17 @@ def load_killed(rank: int, world: int, path: str, phase: str, victim: int, mark:
         arm(phase, mark, how)
     into = state(rank, 0)
     return _outcome(lambda: ckptio.load(path, into, options=options(deadline_s)), mark)
+
+
+def save_then_exit(rank: int, world: int, path: str, victim: int,
+                   deadline_s: float) -> Any:
+    """Every rank saves step 1; then ``victim`` returns, and its interpreter ends (a spawned
+    rank finalizes: a script that ended or raised), while the others save step 2 -> on them,
+    _outcome's tuple and the seconds their save took."""
+    ckptio.save(state(rank, 1), path, options=options(deadline_s))
+    if rank == victim:
+        return None
+    started = time.monotonic()
+    outcome = _outcome(lambda: ckptio.save(state(rank, 2), path, options=options(deadline_s)),
+                       path + ".no-mark")
+    return (*outcome, time.monotonic() - started)
