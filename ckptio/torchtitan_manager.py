@@ -50,6 +50,7 @@ from ckptio.errors import (
 )
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
+from ckptio.managing.restoring import fresh_start_refused_by
 from ckptio.saving.handle import SaveHandle
 from ckptio.format.manifest import Manifest
 from ckptio.shared import checkpointer, load, save
@@ -283,7 +284,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         # a fresh start: the manager's restore logs it, and names a folder spelled alike that
         # holds committed steps (a mistyped --checkpoint.folder), or incomplete steps here
         try:
-            self.manager.restore({}, prepare=False)
+            with fresh_start_refused_by(None):  # no TorchTitan option requires a checkpoint
+                self.manager.restore({}, prepare=False)
         except CheckpointNotFoundError as exc:  # it holds something else (torch.save files)
             raise restated(exc, "CkptioCheckpointManager found no step to resume and would "
                                 "train from step 0 beside what its --checkpoint.folder holds "

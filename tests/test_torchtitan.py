@@ -69,7 +69,7 @@ class TrainState:
 class Job:
     """The pieces TorchTitan's Trainer hands its checkpointer, around a small MLP."""
 
-    def __init__(self, folder: str | os.PathLike[str], *, fsdp: bool = False,
+    def __init__(self, base_folder: str | os.PathLike[str], *, fsdp: bool = False,
                  manager: Any = CkptioCheckpointManager, sd_adapter: Any = None,
                  **config: Any) -> None:
         torch.manual_seed(0)
@@ -89,7 +89,7 @@ class Job:
             dataloader=None, model_parts=[self.model], optimizers=self.optimizers,
             lr_schedulers=self.schedulers, states={"train_state": self.state},
             sd_adapter=sd_adapter,
-            base_folder=os.fspath(folder))
+            base_folder=os.fspath(base_folder))
 
     def step(self, rank: int = 0, world: int = 1) -> float:
         """One training step as the Trainer orders it -> the global batch's mean loss."""

@@ -148,3 +148,29 @@ def test_a_finished_runs_model_only_last_step_refuses_saves_below_it_naming_opti
     assert config.initial_load_path == str(tmp_path / "checkpoint" / "step-4"), config
     assert config.last_save_model_only is False, config
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]
+
+
+def test_a_fresh_start_in_a_mistyped_folder_names_no_call_a_torchtitan_job_cannot_make(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A job whose --checkpoint.folder is mistyped ("checkpont" beside a "checkpoint" holding
+    step 2) starts fresh: the log line says so and the warning names the folder meant and its
+    step, neither naming ``restore(state, required=True)`` (before: both did), which no
+    TorchTitan option passes."""
+    import warnings
+
+    first = _build(str(tmp_path))
+    assert first.save(2) is True
+    first.close()
+    job = _build(str(tmp_path), folder="checkpont")
+    with warnings.catch_warnings(record=True) as said, caplog.at_level("WARNING", "ckptio"):
+        warnings.simplefilter("always")
+        assert job.load() is False  # a fresh start
+    job.close()
+    texts = [str(w.message) for w in said if "starts fresh" in str(w.message)]
+    assert len(texts) == 1, [str(w.message) for w in said]
+    assert f"did you mean {tmp_path / 'checkpoint'}?" in texts[0], texts[0]
+    assert "the newest: step 2" in texts[0], texts[0]
+    logged = [r.getMessage() for r in caplog.records if "starting fresh" in r.getMessage()]
+    assert len(logged) == 1, caplog.records
+    for text in texts + logged:
+        assert "required=True" not in text, text

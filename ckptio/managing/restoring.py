@@ -25,11 +25,13 @@ Owns: that order and its messages. Does not own: listing (storage/steproot.py), 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +232,23 @@ def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
              "of the same step replaces one", stacklevel=stacklevel)
 
 
+# what a fresh start's log line and warning name as the call that refuses it instead (None:
+# nothing, for an integration whose user makes no restore() call: fresh_start_refused_by)
+_REFUSED_BY: ContextVar[str | None] = ContextVar("ckptio_fresh_start_refused_by",
+                                                 default="restore(state, required=True)")
+
+
+@contextlib.contextmanager
+def fresh_start_refused_by(call: str | None) -> Iterator[None]:
+    """Inside, a fresh start's log line and warning name ``call`` (or nothing) as the way to
+    refuse it, not ``restore(state, required=True)``, which the integration's user cannot pass."""
+    token = _REFUSED_BY.set(call)
+    try:
+        yield
+    finally:
+        _REFUSED_BY.reset(token)
+
+
 def started_fresh(levels: Sequence[TierSteps], required: bool, coordinator: bool,
                   stacklevel: int = 3) -> None:
     """restore() found no step anywhere: CheckpointNotFoundError when ``required``, else one
@@ -245,12 +264,14 @@ def started_fresh(levels: Sequence[TierSteps], required: bool, coordinator: bool
         raise CheckpointNotFoundError(
             f"restore(state, required=True): {what}{'; ' + near if near else ''}. Check the "
             "directory (a typo names a new, empty one); leave required out for a first run")
+    call = _REFUSED_BY.get()
     if coordinator:
-        log.warning("ckptio: %s; starting fresh (restore(state, required=True) raises instead)",
-                    what)
+        log.warning("ckptio: %s; starting fresh%s", what,
+                    f" ({call} raises instead)" if call else "")
     if near:
-        warn(f"ckptio: {what}, so this run starts fresh; {near}. restore(state, required=True) "
-             "raises instead of starting fresh", stacklevel=stacklevel)
+        warn(f"ckptio: {what}, so this run starts fresh; {near}."
+             + (f" {call} raises instead of starting fresh" if call else ""),
+             stacklevel=stacklevel)
 
 
 def neighbours(levels: Sequence[TierSteps]) -> list[tuple[str, int]]:
