@@ -38,7 +38,7 @@ from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import exporting, guarded_load, local_only
 from ckptio.deepspeed_reads import arrived, kept, load_group, own_file, placed
-from ckptio.deepspeed_tags import OVER, STANDS, OneSave, to_torch_save
+from ckptio.deepspeed_tags import OVER, STANDS, OneSave, absent_file, to_torch_save
 from ckptio.dir_leases import DirectoryLeases, taken_on_rank_0
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
 from ckptio.errors import (
@@ -210,6 +210,8 @@ class CkptioCheckpointEngine(CheckpointEngine):
         if self._loaded is not None and where in self._loaded:
             loaded = self._loaded.pop(where)
         else:
+            if (absent := absent_file(where)) is not None:
+                raise absent
             record = self.manifest(where)
             group = (rank_alone_group() if self._loaded is None else
                      arrived(self.load_group(where), where, self.options.rank_timeout_s,

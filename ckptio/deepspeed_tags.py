@@ -16,13 +16,14 @@ import shutil
 from collections.abc import Callable
 
 from ckptio.convert import convert
-from ckptio.errors import CkptError, IncompleteCheckpointError
+from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
 from ckptio.shared import load
 from ckptio.format.types import Manifest
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
-__all__ = ["OVER", "STANDS", "OneSave", "missing_rank_file", "other_save", "recorded", "saves",
+__all__ = ["OVER", "STANDS", "OneSave", "absent_file", "missing_rank_file", "other_save",
+           "recorded", "saves",
            "to_torch_save"]
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
@@ -138,6 +139,22 @@ def _every_rank(folder: str, names: list[str]) -> None:
             f"{missing[1]} wrote no such file; a save_checkpoint cut short), so a load on that "
             "rank refuses it and to_torch_save does not copy it; remove that tag folder and "
             "convert again")
+
+
+def absent_file(path: str) -> CheckpointNotFoundError | None:
+    """The error for a file DeepSpeed's load asks for that its tag folder does not hold (None
+    where the file exists, or the folder does not: the load's own error says that), naming
+    what the folder holds instead of a file spelled alike (another kind of file)."""
+    folder, name = os.path.split(path)
+    if os.path.exists(path) or not os.path.isdir(folder):
+        return None
+    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    shown = ", ".join(names[:6]) + (f" (and {len(names) - 6} more)" if len(names) > 6 else "")
+    how = ("load_checkpoint(..., load_optimizer_states=False) loads its weights alone, or load "
+           "another tag" if name.endswith("_optim_states.pt") else "load another tag")
+    return CheckpointNotFoundError(
+        f"DeepSpeed's load asked for {path}, which its tag folder does not hold (it holds: "
+        f"{shown or 'nothing'}): a save cut short, or a tag copied in part; {how}")
 
 
 def missing_rank_file(folder: str, names: list[str], ranks: int = 0

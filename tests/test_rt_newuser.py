@@ -53,6 +53,23 @@ def test_destroy_with_a_decoupled_tag_not_committed_says_latest_does_not_name_it
     assert torch.equal(loaded["module"]["w"], torch.arange(8.0))
 
 
+def test_a_tag_without_its_optimizer_files_names_what_it_holds_and_the_weights_only_load(
+        tmp_path: Path) -> None:
+    """A tag folder holding its model file but no optimizer states (copied in part): the load
+    of ZeRO's optimizer file said "did you mean mp_rank_00_model_states.pt?" (another kind of
+    file, spelled alike); now it names what the folder holds and the weights-only load."""
+    engine, info, path = _saved(tmp_path, decoupled=False)
+    engine.commit(info)
+    optim = str(tmp_path / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(ckptio.CheckpointNotFoundError) as caught:
+        engine.load(optim)
+    said = str(caught.value)
+    assert f"asked for {optim}, which its tag folder does not hold" in said, said
+    assert "it holds: mp_rank_00_model_states.pt)" in said, said
+    assert "load_optimizer_states=False" in said and "did you mean" not in said, said
+    assert torch.equal(engine.load(path)["module"]["w"], torch.arange(8.0))
+
+
 @pytest.mark.parametrize("case", ["committed", "sync", "no_latest", "refused"])
 def test_destroy_after_a_commit_or_a_sync_save_is_silent(tmp_path: Path, case: str) -> None:
     engine, info, _path = _saved(tmp_path, decoupled=case != "sync", latest=case != "no_latest")
