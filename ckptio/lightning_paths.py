@@ -37,6 +37,7 @@ from typing import Any
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
+from ckptio.shared import load
 from ckptio.storage.local.durable import fsync_path
 from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.select import checkpoint_path, registered_schemes, scheme_of, store_for
@@ -122,9 +123,10 @@ def refuse_in_fsspec() -> list[str]:
 
 def committed_instead_of_last(path: str) -> str | None:
     """For ``ckpt_path="last"`` whose last checkpoint was never committed (the job was killed
-    during its first save there): the newest committed checkpoint beside it (by commit time),
-    with a warning; None for any other path (the one asked for is the one loaded) or when
-    there is none."""
+    during its first save there): the newest committed checkpoint beside it (the furthest
+    ``global_step``, then the latest commit: a copied folder's times say nothing), with a
+    warning; None for any other path (the one asked for is the one loaded) or when there is
+    none."""
     name, directory = os.path.basename(path.rstrip("/")), os.path.dirname(path.rstrip("/"))
     if not name.startswith("last") or not os.path.isdir(directory):
         return None
@@ -133,14 +135,23 @@ def committed_instead_of_last(path: str) -> str | None:
         manifest = os.path.join(entry.path, MANIFEST_NAME)
         if (entry.name != name and entry.name.endswith(".ckpt") and not _HIDDEN.search(entry.name)
                 and entry.is_dir() and is_committed(entry.path)):
-            found.append((os.stat(manifest).st_mtime_ns, entry.path))
+            found.append((_global_step(entry.path), os.stat(manifest).st_mtime_ns, entry.path))
     if not found:
         return None
-    newest = max(found)[1]
+    newest = max(found)[2]
     warnings.warn(f"ckptio.lightning: {path} was never committed (the job stopped during that "
                   f"save); resuming from {newest}, the newest committed checkpoint beside it",
                   stacklevel=3)
     return newest
+
+
+def _global_step(path: str) -> int:
+    """The ``global_step`` Lightning saved in checkpoint ``path`` (-1: none, or unreadable)."""
+    try:
+        step = load(path, keys="global_step", strict=False).get("global_step")
+    except CkptError:  # unreadable: ordered by its commit time alone
+        return -1
+    return step if isinstance(step, int) else -1
 
 
 def remove_remote(url: str, options: Options) -> None:

@@ -46,8 +46,9 @@ from ckptio.storage.store_contract import TellsInFlight
 
 LOCKS_ASKED = 4  # the newest incomplete steps whose save lock a restore's warning reads
 
-__all__ = ["Restored", "candidates", "emptiness", "first_only", "incomplete", "neighbours",
-           "nothing_to_restore", "restore_first", "started_fresh", "where"]
+__all__ = ["Restored", "candidates", "emptiness", "first_only", "fresh_start_refused_by",
+           "incomplete", "neighbours", "nothing_to_restore", "restore_first", "started_fresh",
+           "where"]
 
 Listing = dict[str, list[Any]]
 log = logging.getLogger("ckptio")

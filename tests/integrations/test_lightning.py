@@ -356,13 +356,17 @@ def test_resume_from_last_passes_over_an_uncommitted_last_to_the_newest_committe
         tmp_path: Path) -> None:
     """A job killed during its first save of last.ckpt leaves it uncommitted (no manifest):
     ``ckpt_path="last"`` resumes from the newest committed checkpoint beside it, warning,
-    instead of raising (an explicit path to an uncommitted checkpoint still raises: above)."""
+    instead of raising (an explicit path to an uncommitted checkpoint still raises: above).
+    The newest is the furthest step, not the latest file time (step 8's folder copied after
+    step 16's was chosen before)."""
     ckpts = tmp_path / "ckpts"
     every = ModelCheckpoint(dirpath=ckpts, save_top_k=-1, save_last=True)
     _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[every])
     assert sorted(os.listdir(ckpts)) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt",
                                          "last.ckpt"]
     _remove_manifest(ckpts / "last.ckpt")
+    later = (ckpts / "epoch=1-step=16.ckpt" / "manifest.json").stat().st_mtime + 60
+    os.utime(ckpts / "epoch=0-step=8.ckpt" / "manifest.json", (later, later))  # copied later
     with pytest.warns(UserWarning, match=r"last\.ckpt was never committed .* resuming from "
                       r".*epoch=1-step=16\.ckpt"):
         trainer = _fit(tmp_path, plugin("sync"), epochs=3, ckpt_path="last",
