@@ -56,8 +56,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # probes, three (its first is section 20's); section 21's call timing (benchmarks.call_overhead
 # with --reps 3 --json), one; BENCH_RESTART round eight's 2- and 4-rank reruns, two;
 # BENCH_LOOP's call phases timed inside the call: dev/call_phases.py and dev/call_parts.py, two;
-# BENCH_LOOP section 22's load probe, dev/load_calls.py, one)
-NOT_RUN_COUNT = 113
+# BENCH_LOOP section 22's load probe, dev/load_calls.py, one; BENCH_REDUNDANCY's meetings'
+# cost, one)
+NOT_RUN_COUNT = 114
 
 
 def _not_run(command: str) -> str | None:
