@@ -23,8 +23,7 @@ from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["OVER", "STANDS", "OneSave", "absent_file", "missing_rank_file", "other_save",
-           "recorded", "saves",
-           "to_torch_save"]
+           "recorded", "saves", "to_torch_save"]
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
 STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save

@@ -71,8 +71,8 @@ def test_a_restart_on_fewer_hosts_rebuilds_a_lost_piece_along_its_stripes(base, 
 
 def test_a_holder_killed_during_a_restarts_fetch_is_named_and_nothing_is_loaded(base, tmp_path):
     """Rank 1 (old rank 1's piece, which rank 0 needs rows of) dies as it starts sending: the
-    other ranks raise RankFailedError within peer_timeout_s, their states untouched; a second restart
-    (rank 1's host and memory intact) restores every rank bitwise."""
+    other ranks raise RankFailedError within peer_timeout_s, their states untouched; a second
+    restart (rank 1's host and memory intact) restores every rank bitwise."""
     disk = str(tmp_path / "disk")
     run_ranks(4, train, base, disk, "partners-1", 3, timeout_s=TIMEOUT)
     wipe_host(base, 3)
