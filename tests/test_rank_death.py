@@ -1,8 +1,9 @@
 """A rank killed (SIGKILL) or frozen (SIGSTOP: alive, its sockets open, answering nothing) at each
 phase of a save and of a load: every other rank raises RankFailedError naming it, for the reason
-docs/guides/distributed.md gives (its silence past Options.rank_timeout_s, or the store's host
-gone), and a failed save commits nothing (the previous checkpoint still loads). Real processes
-over gloo and the job's TCPStore.
+docs/guides/distributed.md gives (a killed rank: its death, seen by the ranks on its machine; a
+frozen one: its silence past Options.rank_timeout_s; rank 0 killed: the store's host gone), and
+a failed save commits nothing (the previous checkpoint still loads). Real processes over gloo
+and the job's TCPStore.
 
 The time bounds here only say that nothing hung and that the step's own limit
 (step_timeout_s, 120 s) was not what ended the wait: they hold on a machine under heavy load.
@@ -28,6 +29,7 @@ DEADLINE_S = 3.0  # Options.rank_timeout_s (step_timeout_s: 120 s, killed.option
 NOT_HUNG_S = 4 * DEADLINE_S + 10  # a survivor raises within this of the victim's end
 RUN_LIMIT_S = 60  # run_ranks gives up on survivors still waiting (before step_timeout_s)
 SILENT = f"no sign of life for {DEADLINE_S:g} s (Options.rank_timeout_s)"
+DIED = "its process died while rank 0 waited for"  # seen gone by a rank on its machine
 STORE_GONE = "the job's rendezvous store"  # rank 0 killed: the store it held closed
 
 SAVE_CASES = [("save:plan", 1), ("save:agree", 2), ("save:write", 1), ("save:conclude", 2),
@@ -66,7 +68,7 @@ def _check_first_save_loads(path: str) -> None:
 
 
 def _killed_cause(victim: int) -> str:
-    return STORE_GONE if victim == 0 else SILENT
+    return STORE_GONE if victim == 0 else DIED
 
 
 @pytest.mark.parametrize("phase,victim", SAVE_CASES)
@@ -151,8 +153,8 @@ def test_a_rank_whose_interpreter_ended_is_named_at_once_not_after_the_deadline(
     """Rank 2's script ends after the first save (its interpreter finalizes: ended or raised)
     while ranks 0 and 1 save again: their save raises RankFailedError naming rank 2 as
     exited within seconds (it said so to the job's store at its exit, liveness.GONE), not
-    after rank_timeout_s (60 s here: that is what a killed rank still costs); nothing of step
-    2 is committed and step 1 still loads."""
+    after rank_timeout_s (60 s here: what a frozen rank costs); nothing of step 2 is committed
+    and step 1 still loads."""
     path = str(tmp_path / "ckpt")
     got = run_ranks(WORLD, cases.save_then_exit, path, 2, 60.0, spawn=True, timeout_s=240)
     for rank in (0, 1):
@@ -160,4 +162,21 @@ def test_a_rank_whose_interpreter_ended_is_named_at_once_not_after_the_deadline(
         assert kind == "RankFailedError" and ranks == (2,), got[rank]
         assert "its process exited while rank 0 waited for" in message, message
         assert seconds < 30, got[rank]
+    _check_first_save_loads(path)
+
+
+def test_a_killed_rank_is_named_in_seconds_with_the_default_deadline(tmp_path):
+    """Rank 1 killed while writing its share, rank_timeout_s at its default (60 s): ranks 0 and
+    2 run on its machine, see its process gone (liveness: the machine's list in the job's
+    store) and raise RankFailedError saying it died, well before the deadline its silence
+    alone would take; nothing of step 2 is committed."""
+    path, mark = str(tmp_path / "ck"), tmp_path / "killed"
+    outcomes = run_ranks(WORLD, cases.save_killed, path, "save:write", 1, str(mark),
+                         ckptio.Options().rank_timeout_s, may_die=(1,), timeout_s=120)
+    ended_at = float(mark.read_text())
+    for rank in (0, 2):
+        kind, when, message, ranks, _state = outcomes[rank]
+        assert kind == "RankFailedError" and ranks == (1,), outcomes[rank]
+        assert DIED in message, message
+        assert when - ended_at < 30, (rank, when - ended_at)  # the deadline: 60 s
     _check_first_save_loads(path)

@@ -294,7 +294,8 @@ def test_a_holder_killed_while_sending_its_share_is_named_then_the_next_job_rest
     (the victim's host intact) restores rank 2 bitwise from both holders. Rank 1 takes no
     part in the transfers: with victim 3 (the job's store held outside the ranks) it learns of
     the loss where the ranks meet next, from the record in the store of a rank that left
-    (peers.Meeting.leave), not after rank_timeout_s (60 s). One CI run, with rank 0 holding
+    (peers.Meeting.leave) or from rank 3's death marked there by a rank on its machine, not
+    after rank_timeout_s (60 s). One CI run, with rank 0 holding
     the store: rank 1 learned it from the store's loss first (rank 0 had left and exited)."""
     disk = str(tmp_path / "disk")
     run_ranks(4, save, base, disk, "partners2", 9, timeout_s=TIMEOUT)
@@ -308,9 +309,10 @@ def test_a_holder_killed_while_sending_its_share_is_named_then_the_next_job_rest
         # the ranks meet: rank 0 held the job's store too (its loss is named there)
         assert failed[rank]["seconds"] < (PEER_GONE_S if victim == 0 else 30), failed[rank]
     if victim == 3:
-        assert "found gone by rank " in failed[1]["error"], failed[1]  # by rank 2 (or 0):
-        # the store outlives them (held by the test, as by torchrun's agent), and neither a
-        # rank killed nor one ended by os._exit is named before rank_timeout_s (60 s)
+        said = failed[1]["error"]  # from the record of rank 2 (or 0), or from the store's
+        # mark of rank 3's death by a rank on its machine (liveness): the store outlives them
+        # (held by the test, as by torchrun's agent); silence alone takes rank_timeout_s (60 s)
+        assert "found gone by rank " in said or "its process died" in said, failed[1]
     assert not os.path.exists(os.path.join(host_dir(base, 2), "run", "r00002", "step-1"))
     restored = run_ranks(4, restore, base, disk, "partners2", 9, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored

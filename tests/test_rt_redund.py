@@ -270,8 +270,9 @@ def one_rank_leaves_before_restore(rank: int, world: int, base: str, disk: str,
 
 def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterror(
         base, tmp_path):
-    """Rank 2 exits instead of calling restore(): the others raise RankFailedError naming it
-    within rank_timeout_s (its heartbeat in the job's store stops), where the ranks meet."""
+    """Rank 2 exits instead of calling restore() (without a word: run_ranks' child ends by
+    os._exit): the others raise RankFailedError naming it where the ranks meet, as died (the
+    ranks on its machine saw its process gone), before rank_timeout_s."""
     disk = str(tmp_path / "disk")
     run_ranks(3, train, base, disk, 1, "partners-1", 2, timeout_s=TIMEOUT)
     got = run_ranks(3, one_rank_leaves_before_restore, base, disk, 2, timeout_s=TIMEOUT,
@@ -280,7 +281,7 @@ def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterr
         error, seconds = got[rank]["error"], got[rank]["seconds"]
         assert error.startswith("RankFailedError|"), error
         assert "stopped where the ranks meet, waiting for rank 2 on host 2" in error, error
-        assert "no sign of life for 5 s (Options.rank_timeout_s)" in error, error
+        assert "rank 2: its process died while rank 0 waited" in error, error
         assert seconds < 5 + 15, seconds
 
 

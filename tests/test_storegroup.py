@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from ckptio.distributed.liveness import Watch, key_of
+from ckptio.distributed.liveness import GONE, Watch, key_of
 from ckptio.distributed.storeframes import pack, unpack
 from ckptio.distributed.storegroup import Deadlines, StoreGroup
 from ckptio.errors import RankFailedError
@@ -93,6 +93,34 @@ def test_a_rank_without_heartbeat_fails_every_other_rank_naming_it(dead_rank):
         assert isinstance(result, RankFailedError), result
         assert result.ranks == (dead_rank,), result
         assert f"rank {dead_rank}: no sign of life for 2 s (Options.rank_timeout_s)" in str(result)
+
+
+def test_the_failing_rank_waits_for_every_live_rank_to_read_the_failure_even_after_one_left():
+    """Rank 1 never comes (rank_s 3 s); rank 2 reads the failure and its process exits (its
+    counter made negative, as liveness does at exit); rank 3 comes late, 4 s in. Rank 0, which
+    may hold the job's store, raises only once rank 3 has read the failure too: rank 2's exit
+    after reading it does not count it twice (before: rank 0 left at once, and rank 3 found
+    the store gone instead of the failure)."""
+    came: dict[int, float] = {}
+
+    def body(group: StoreGroup) -> Any:
+        if group.rank == 3:
+            time.sleep(4.0)  # within rank_s of rank 0's failure (about 3 s in)
+            came[3] = time.monotonic()
+        try:
+            return _gather_then_scatter(group)
+        except RankFailedError:
+            came[group.rank] = came.get(group.rank, time.monotonic())
+            if group.rank == 2:  # read it, then exited
+                group.alive_store.add(key_of(2), -GONE)
+            if group.rank == 0:
+                came[-1] = time.monotonic()
+            raise
+
+    results = _on_threads(4, body, Deadlines(rank_s=3.0), dead=frozenset({1}))
+    for rank in (0, 2, 3):
+        assert isinstance(results[rank], RankFailedError) and results[rank].ranks == (1,)
+    assert came[-1] >= came[3], came  # rank 0 raised after rank 3 came (and read it)
 
 
 def test_a_live_rank_that_never_arrives_fails_the_step_after_step_timeout():

@@ -1,4 +1,5 @@
-"""The bytes a StoreGroup key holds: a message stamped with its step, and many as one.
+"""The bytes a StoreGroup key holds: a message stamped with its step, and many as one; many
+keys got or set in one call.
 
 Every message a rank leaves in the job's store for a step carries that step's number in
 front, so a rank that reads a key left by another step (ranks calling the collectives in
@@ -8,7 +9,7 @@ that tells a damaged one.
 
 Call order: storegroup.py's StoreGroup ``stamped`` on every message it sets and
 ``unstamped`` on every one it gets; ``pack`` on the coordinator's all-gather answer and
-``unpack`` on every rank.
+``unpack`` on every rank; ``get_many`` / ``set_many`` where it reads or writes one key per rank.
 
 Owns: those layouts and their checks. Does not own: which keys, when, and the waits
 (storegroup.py), what the messages say (wire.py, step.py).
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Any
 
 from ckptio.errors import RankFailedError
 
-__all__ = ["pack", "stamped", "unpack", "unstamped"]
+__all__ = ["get_many", "pack", "set_many", "stamped", "unpack", "unstamped"]
 
 _STAMP = struct.Struct("<Q")
 
@@ -58,3 +60,19 @@ def unpack(data: bytes) -> list[bytes]:
         out.append(data[at:at + n])
         at += n
     return out
+
+
+def get_many(store: Any, keys: list[str]) -> list[bytes]:
+    """One round trip where the store has multi_get (torch >= 2.5), else one per key."""
+    if hasattr(store, "multi_get"):
+        return list(store.multi_get(keys))
+    return [store.get(key) for key in keys]
+
+
+def set_many(store: Any, keys: list[str], values: list[bytes]) -> None:
+    """One round trip where the store has multi_set, else one per key."""
+    if hasattr(store, "multi_set"):
+        store.multi_set(keys, values)
+        return
+    for key, value in zip(keys, values):
+        store.set(key, value)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.distributed.liveness import Watch
-from ckptio.distributed.storeframes import pack, stamped, unpack, unstamped
+from ckptio.distributed.storeframes import (get_many, pack, set_many, stamped, unpack,
+                                             unstamped)
 from ckptio.errors import CkptError, RankFailedError
 
 __all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "poll_pause"]
@@ -140,7 +141,7 @@ class StoreGroup:
             missing = next(n for n, k in zip(names, keys) if not self.store.check([k]))
             raise CkptError(f"plan part {missing} was named by a rank but never stored in the "
                             "job's store (a publish that failed in an earlier save?); save again")
-        return self._call(lambda: _multi_get(self.store, keys))
+        return self._call(lambda: get_many(self.store, keys))
 
     def record_failure(self, ranks: list[int], why: str) -> None:
         """Record that ``ranks`` (group ranks) failed, ``why``, without waiting (the first
@@ -150,6 +151,7 @@ class StoreGroup:
         named = "; ".join(f"rank {r}{_global(r, self.members)}: {why}" for r in ranks[:8])
         try:
             self.store.compare_set(self._key("failed"), "", named)
+            self.store.set(self._key(f"failed/seen/{self.rank}"), b"1")  # known here: read
         except RuntimeError:  # torch's DistError family: the store's host is gone, which the
             return  # others find out at their next look
         self._failed_seen = True
@@ -178,7 +180,7 @@ class StoreGroup:
                    lambda: self._not_sent(step, arrived), "its part of the step")
         keys = [self._key(f"in/{r}") for r in range(1, self.size)]
         return [unstamped(step, value, what=key) for key, value
-                in zip(keys, _multi_get(self.store, keys))]
+                in zip(keys, get_many(self.store, keys))]
 
     def _not_sent(self, step: int, arrived: set[int]) -> list[int]:
         """The ranks whose message of ``step`` is not in yet (``arrived``: those seen, kept
@@ -201,7 +203,7 @@ class StoreGroup:
             self._sent = False
 
     def _answer(self, step: int, parts: list[bytes]) -> None:
-        _multi_set(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
+        set_many(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
                    [stamped(step, p) for p in parts[1:]])
         self.store.add(self._key("out/n"), 1)
         self._delivered(self._key("out/read"), step * (self.size - 1))
@@ -280,6 +282,9 @@ class StoreGroup:
         stale = {by_global[g] for g in watch.stale(by_global)}
         dead = sorted(stale | (self._dead & {*missing}))
         exited = {by_global[g] for g in watch.exited if g in by_global}
+        if dead and exited.issuperset(dead) and watch.died & {self.members[r] for r in dead}:
+            return dead, (f"its process died while rank {self.rank} waited for {what} (killed "
+                          "or crashed: a process of the job on its machine saw it gone)")
         if dead and exited.issuperset(dead):
             return dead, (f"its process exited while rank {self.rank} waited for {what} (it "
                           "ended, saying so to the job's store): see that rank's own error")
@@ -307,24 +312,28 @@ class StoreGroup:
         named += f" (and {len(ranks) - 8} more ranks)" if len(ranks) > 8 else ""
         if not record:
             raise RankFailedError(named, ranks=tuple(ranks))
-        self.store.compare_set(self._key("failed"), "", named)  # the first cause stays
+        first = self.store.compare_set(self._key("failed"), "", named)  # the first cause stays
         self._dead.update(ranks)
         # The live ranks read it before this one raises, for up to rank_s: the store may live
         # in this process, which is about to exit (a rank still busy writing reads it at its
-        # next step, or finds the store gone: its message then says why).
-        seen = self._key("failed/seen")
-        if not self._failed_seen:  # counted before waiting: ranks recording at once do not
+        # next step, or finds the store gone: its message then says why). Each rank marks its
+        # own reading (a rank that read it and exited is not waited for, nor counted twice).
+        if not self._failed_seen:  # marked before waiting: ranks recording at once do not
             self._failed_seen = True  # wait for one another
-            self.store.add(seen, 1)
+            self.store.set(self._key(f"failed/seen/{self.rank}"), b"1")
         until = time.monotonic() + self.deadlines.rank_s
-        try:
-            self._wait(lambda: (int(self.store.add(seen, 0)) >= self.size - len(self._dead)
-                                or time.monotonic() > until),
-                       lambda: [r for r in range(self.size) if r != self.rank and r not in self._dead],
-                       "the failure to be read", record=False, check_failed=False)
-        except RankFailedError as lost:  # another rank died meanwhile: it will not read it
-            self._dead.update(lost.ranks)
-        self._raise_if_failed()
+        while time.monotonic() <= until:
+            try:
+                self._wait(lambda: self._all_read() or time.monotonic() > until,
+                           self._unread, "the failure to be read", record=False,
+                           check_failed=False)
+                break
+            except RankFailedError as lost:  # a rank died meanwhile: it will not read it
+                self._dead.update(lost.ranks)
+            except RuntimeError:  # the store's host gone: rank 0 saw the failure read and left
+                break
+        message = bytes(first).decode(errors="replace")  # raised as every rank raises it
+        raise RankFailedError(message, ranks=_named_ranks(message))
 
     def _raise_if_failed_before(self) -> None:
         """At the start of a collective: a failure this rank has raised before means the group
@@ -345,8 +354,20 @@ class StoreGroup:
             message = bytes(self.store.get(key)).decode(errors="replace")
             if not self._failed_seen:
                 self._failed_seen = True
-                self.store.add(key + "/seen", 1)
+                self.store.set(f"{key}/seen/{self.rank}", b"1")
             raise RankFailedError(message, ranks=_named_ranks(message))
+
+    def _seen_keys(self) -> dict[int, str]:
+        """Each live rank's (but this one's) mark that it read the group's failure."""
+        return {r: self._key(f"failed/seen/{r}") for r in range(self.size)
+                if r != self.rank and r not in self._dead}
+
+    def _all_read(self) -> bool:
+        keys = list(self._seen_keys().values())
+        return not keys or bool(self.store.check(keys))  # one call: each poll
+
+    def _unread(self) -> list[int]:  # one call per rank: each look
+        return [r for r, key in self._seen_keys().items() if not self.store.check([key])]
 
     def _call(self, body: Callable[[], Any]) -> Any:
         """``body()``; a store that stopped answering fails the step naming it."""
@@ -367,21 +388,6 @@ def poll_pause(waited_s: float, floor_s: float, cap_s: float) -> float:
     within [floor_s, cap_s], so a step is seen at most ~6 % of its wait late (doubling pauses
     overslept by up to the whole wait so far: docs/BENCH_LIMIT.md, "the 2-rank save")."""
     return min(cap_s, max(floor_s, waited_s * _LATE_SHARE))
-
-
-def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
-    """One round trip where the store has multi_get (torch >= 2.5), else one per key."""
-    if hasattr(store, "multi_get"):
-        return list(store.multi_get(keys))
-    return [store.get(key) for key in keys]
-
-
-def _multi_set(store: Any, keys: list[str], values: list[bytes]) -> None:
-    if hasattr(store, "multi_set"):
-        store.multi_set(keys, values)
-        return
-    for key, value in zip(keys, values):
-        store.set(key, value)
 
 
 def _address(store: Any) -> str:

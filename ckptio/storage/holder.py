@@ -1,17 +1,20 @@
 """Who holds a save's lock, and whether that holder is provably dead.
 
 A lock records its holder (``me()``): host name, boot id (Linux's
-``/proc/sys/kernel/random/boot_id``, new at every boot), process id and the process's start
-time (``/proc/<pid>/stat``, in clock ticks since boot: a pid reused by another process has
-another start time). ``dead(holder)`` says a holder is gone only when that can be proved from
-here: the same host and the same boot, and no process with that pid (or one started at another
-time). A holder on another host, from before a reboot of this one with no boot id, or whose
-record lacks a field, is never called dead: the lock's lease decides (storage/s3/lock.py).
+``/proc/sys/kernel/random/boot_id``, new at every boot), PID namespace, process id and the
+process's start time (``/proc/<pid>/stat``, in clock ticks since boot: a pid reused by another
+process has another start time). ``dead(holder)`` says a holder is gone only when that can be
+proved from here: the same host, boot and PID namespace, and no process with that pid (or one
+started at another time). A holder on another host, from before a reboot of this one with no
+boot id, or whose record lacks a field, is never called dead: the lock's lease decides
+(storage/s3/lock.py). The ranks of a job prove their neighbours' deaths so too (liveness.py).
 
 ``running_here(holder)``: the holder named, when it is provably alive (this host and boot).
-Also this process's host id (``host_id``: what tells the ranks of one host from another's).
+Also this process's host id (``host_id``: what tells the ranks of one host from another's)
+and ``machine()`` (where its pids mean what they mean here).
 
-Owns: the holder record and the proof of death, the host id. Does not own: the locks (local/dirlock.py, s3/lock.py).
+Owns: the holder record and the proof of death, the host id. Does not own: the locks
+(local/dirlock.py, s3/lock.py).
 """
 
 from __future__ import annotations
@@ -23,10 +26,28 @@ from datetime import datetime
 from typing import Any
 
 __all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "ago", "alive", "boot_id", "dead", "host_id",
-           "is_me", "me", "running_here", "started"]
+           "is_me", "machine", "me", "pid_namespace", "running_here", "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 HOST_ID_ENV = "CKPTIO_HOST_ID"
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("" where /proc is missing or shows another namespace's
+    pids): processes of one namespace see each other's pids."""
+    try:
+        ns = os.stat("/proc/self/ns/pid")
+        ours = os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return ""
+    return f"{ns.st_dev:x}:{ns.st_ino:x}" if ours else ""
+
+
+def machine() -> str:
+    """Where this process's pids mean what they mean here: host name, boot id and PID
+    namespace ("" where that cannot be told: no /proc)."""
+    boot, ns = boot_id(), pid_namespace()
+    return f"{socket.gethostname()}:{boot}:{ns}" if boot and ns else ""
 
 
 def boot_id() -> str:
@@ -70,8 +91,8 @@ def started(pid: int) -> int | None:
 def me() -> dict[str, Any]:
     """This process as a lock's holder."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "start": started(pid),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {"host": socket.gethostname(), "boot": boot_id(), "pidns": pid_namespace(),
+            "pid": pid, "start": started(pid), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def ago(record: dict[str, Any]) -> str:
@@ -110,8 +131,9 @@ def dead(holder: dict[str, Any] | None) -> str | None:
         return None
     host, boot, pid = holder.get("host"), holder.get("boot"), holder.get("pid")
     if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not boot
-            or host != socket.gethostname() or boot != boot_id() or pid == os.getpid()):
-        return None
+            or host != socket.gethostname() or boot != boot_id() or pid == os.getpid()
+            or holder.get("pidns", pid_namespace()) != pid_namespace()):  # (older records
+        return None  # name none) another PID namespace's pid says nothing here
     where = f"pid {pid} on host {host} (this boot)"
     try:
         os.kill(pid, 0)
