@@ -204,7 +204,7 @@ class StoreGroup:
 
     def _answer(self, step: int, parts: list[bytes]) -> None:
         set_many(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
-                   [stamped(step, p) for p in parts[1:]])
+                 [stamped(step, p) for p in parts[1:]])
         self.store.add(self._key("out/n"), 1)
         self._delivered(self._key("out/read"), step * (self.size - 1))
 
