@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -70,3 +71,16 @@ def test_a_rank_a_newer_process_took_is_not_marked() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_malformed_list_ends_the_watch_not_the_beats() -> None:
+    """An entry the watch cannot read stops the watch (a warning), never the heartbeat: a
+    rank that stopped beating would be taken for dead."""
+    store: Any = dist.HashStore()
+    store.append(f"ckptio/procs/{holder.machine()}", "not a record\n")
+    liveness.beat(store, 9, 0.05)
+    first = int(store.add(key_of(9), 0))
+    deadline = time.monotonic() + 30
+    while int(store.add(key_of(9), 0)) < first + 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(store.add(key_of(9), 0)) >= first + 5  # still beating

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ SILENT_BEATS = 3  # silent(): a rank whose counter does not move for this many b
 GONE = 1 << 40  # taken off a rank's counter as its process exits: seen gone at once
 DIED = -2 * GONE  # a rank's counter set to this by a neighbour that saw its process gone
 REFRESH_BEATS = 10  # how often (in beats) a process reads its machine's list of neighbours
+log = logging.getLogger("ckptio")
 _lock = threading.Lock()
 _beating: dict[int, _Beat] = {}  # id(store) -> its thread (the store object is kept by it)
 
@@ -61,9 +63,21 @@ class _Beat:
             try:
                 self.store.add(self.key, 1)
                 if self.neighbours is not None:
-                    self.neighbours.look()
+                    self._look()
             except RuntimeError:  # the store is gone (its host exited): nobody left to tell
                 return
+
+    def _look(self) -> None:
+        """The neighbours' watch; a list it cannot read ends the watch, never the beats (a
+        rank that stopped beating would be taken for dead)."""
+        assert self.neighbours is not None  # internal
+        try:
+            self.neighbours.look()
+        except (ValueError, KeyError, TypeError) as exc:  # a malformed entry in the list
+            log.warning("ckptio: the watch of this machine's other ranks stopped (%s: %s); "
+                        "a rank killed here is named after rank_timeout_s", type(exc).__name__,
+                        exc)
+            self.neighbours = None
 
 
 class Neighbours:

@@ -130,10 +130,11 @@ def dead(holder: dict[str, Any] | None) -> str | None:
     if not isinstance(holder, dict):
         return None
     host, boot, pid = holder.get("host"), holder.get("boot"), holder.get("pid")
+    ns = pid_namespace()
     if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not boot
             or host != socket.gethostname() or boot != boot_id() or pid == os.getpid()
-            or holder.get("pidns", pid_namespace()) != pid_namespace()):  # (older records
-        return None  # name none) another PID namespace's pid says nothing here
+            or holder.get("pidns", ns) != ns):  # another PID namespace's pid says nothing
+        return None  # here (older records name none)
     where = f"pid {pid} on host {host} (this boot)"
     try:
         os.kill(pid, 0)
