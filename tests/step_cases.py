@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import ckptio
-from ckptio.distributed.dist import Group, over_torch
+from ckptio.distributed.dist import Group, job_ranks, over_torch
 from ckptio.distributed.step import coordinate
 
 
@@ -33,3 +35,19 @@ def one_step(rank: int, world: int, case: str) -> str:
     except ckptio.CkptError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "own error" if answer is None else answer.decode()
+
+
+def late_under_later_options(rank: int, world: int) -> str:
+    """The job's ranks made with the defaults (a plugin), then asked for with a 2 s step
+    deadline (another plugin's Options): rank 1 comes 8 s late, alive; -> what each saw."""
+    first = job_ranks(ckptio.Options())
+    ranks = job_ranks(ckptio.Options(rank_timeout_s=2, step_timeout_s=2))
+    assert ranks is first  # one per group: its counters are not made again
+    if rank == 1:
+        time.sleep(8)
+    started = time.monotonic()
+    try:
+        coordinate(ranks, b"x", None, lambda m: m, str)
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - started:.1f} s: {exc}"
+    return "answered"

@@ -41,6 +41,16 @@ def test_the_coordinator_failing_to_decide_fails_every_rank():
         assert "the coordinator (rank 0): CkptError: cannot decide" in results[r]
 
 
+def test_the_job_s_ranks_hold_a_step_to_the_latest_caller_s_deadline():
+    """dist.job_ranks is made once per group and kept (DeepSpeed's and Megatron's plugins);
+    a later caller's Options.step_timeout_s governs its steps, not the first caller's (the
+    old code kept the defaults: rank 0 waited out rank 1's 8 s and both answered)."""
+    results = run_ranks(2, cases.late_under_later_options)
+    assert results[0].startswith("RankFailedError after "), results
+    assert float(results[0].split()[2]) < 7, results[0]  # 2 s, and a loaded machine's slack
+    assert "rank 1" in results[0], results[0]
+
+
 def test_one_process_decides_alone():
     assert coordinate(Solo(), b"x", None, lambda m: [m[0] + b"!"], str) == b"x!"
     assert coordinate(Solo(), None, ValueError("own"), lambda m: m, str) is None

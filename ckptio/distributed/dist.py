@@ -164,15 +164,19 @@ _job: list[Any] = []
 
 def job_ranks(options: Options | None = None) -> StoreGroup | None:
     """The ranks of the job's default group for the plugins' steps of every rank (a run
-    lease, a tag check), made at the first call and kept, with that call's deadlines, while
-    the group lives (one made per call left its counters in the job's store each time); None
-    in one process."""
+    lease, a tag check), made at the first call and kept while the group lives (one made per
+    call left its counters in the job's store each time), with the deadlines of the latest
+    call's ``options`` (a plugin made later with other Options is held to its own); None in
+    one process."""
     group = current_group()
     if group is None:
         return None
     if not (_job and _job[0]() is group):
         _job[:] = [weakref.ref(group), over_torch(group, options)]
     ranks: StoreGroup = _job[1]
+    if options is not None:
+        ranks.deadlines = Deadlines(options.rank_timeout_s, options.step_timeout_s)
+        liveness.beat(ranks.alive_store, torch.distributed.get_rank(), ranks.deadlines.beat_s)
     return ranks
 
 
