@@ -8,8 +8,8 @@ whose rules are the same whatever the service, kept once so that a fix reaches a
 the claim a store's exclusive() returns: ``LockClaim``; a save's wait for a lock another save
 holds: ``LockWait``, which gives up once the save is abandoned: storage/abandon.py).
 
-Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
-close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
+Call order: a backend's open_* -> ``OpenHandles.add``, its writes -> ``get``, its reads ->
+``reading``, its close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
 read_manifest with no manifest -> ``no_checkpoint``. A root's scan() -> ``MarkedSteps.add``,
 its hide() -> ``MarkedSteps.hide``, its removal() -> ``MarkedSteps.removal``; a step's state from
 the names its listing gave -> ``held_state`` (of names ``kept_name`` reduced).
@@ -49,6 +49,14 @@ __all__ = ["FOREIGN", "MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedS
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
+
+
+class _Sized(Protocol):
+    @property
+    def size(self) -> int: ...  # an object open for reading: its bytes
+
+
+R = TypeVar("R", bound=_Sized)
 MARKER = ".deleting"  # a step being removed: out of the listing, its removal pending
 MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
 FOREIGN = "foreign"  # a step's state: incomplete, holding a torch_checkpointing checkpoint
@@ -148,6 +156,16 @@ class OpenHandles(Generic[T]):
     def pop(self, fh: FileHandle) -> T | None:
         with self._lock:
             return self._open.pop(fh.token, None)
+
+    def reading(self, fh: FileHandle, kind: type[R], offset: int, into: memoryview
+                ) -> tuple[R, memoryview]:
+        """A read's object (``fh`` opened for reading: a ``kind``) and the part of ``into``
+        that lies within it from ``offset`` (empty at or past its end); StorageIOError when
+        ``fh`` is not open, or is open for writing."""
+        opened = self.get(fh)
+        if not isinstance(opened, kind):
+            raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
+        return opened, into[:max(0, min(len(into), opened.size - offset))]
 
 
 def lost_commit(location: str) -> CheckpointLockedError:

@@ -187,15 +187,12 @@ class GcsBackend:
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         try:
-            opened = self._open.get(fh)
-            if not isinstance(opened, _Object):
-                raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
+            opened, into = self._open.reading(fh, _Object, offset, into)
         except StorageIOError as exc:
             return completed(error=exc)
-        n = max(0, min(len(into), opened.size - offset))
-        if n == 0:
+        if not into:
             return completed(0)
-        return self._submit(self._get, opened, offset, into[:n])
+        return self._submit(self._get, opened, offset, into)
 
     def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
         blob = self._blob(opened.where, opened.generation)

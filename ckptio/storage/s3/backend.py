@@ -276,17 +276,15 @@ class S3Backend:
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         try:
-            opened = self._open.get(fh)
-            if not isinstance(opened, _Object):
-                raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
+            opened, into = self._open.reading(fh, _Object, offset, into)
         except StorageIOError as exc:
             return completed(error=exc)
-        n = max(0, min(len(into), opened.size - offset))
+        n = len(into)
         if n == 0:
             return completed(0)
         step = self.settings.read_bytes
         if not step or n <= step:
-            return self._submit_get(self._get, opened, offset, into[:n])
+            return self._submit_get(self._get, opened, offset, into)
         return all_of([self._submit_get(self._get, opened, offset + at,
                                          into[at:min(n, at + step)])
                         for at in range(0, n, step)])
