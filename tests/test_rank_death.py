@@ -116,6 +116,25 @@ def test_a_rank_frozen_during_a_load_fails_every_rank(tmp_path, phase, victim):
     _check_first_save_loads(path)  # a load changes nothing on disk
 
 
+def test_a_rank_frozen_during_a_manager_s_restore_is_waited_for_once(tmp_path):
+    """CheckpointManager.restore: after its load named the frozen rank, the manager's
+    exchange of why the load failed (damage falls back to another step) is not made, since
+    the rank named will not come to it either: the survivors raise after one deadline. The old
+    code waited for it a second time there (two deadlines: 10 s and more here, against the 8 s
+    bound)."""
+    deadline_s = 5.0
+    root, mark = str(tmp_path / "run"), tmp_path / "frozen"
+    outcomes = run_ranks(WORLD, cases.restore_killed, root, "load:read", 2, str(mark),
+                         deadline_s, "freeze", may_die=(2,), timeout_s=RUN_LIMIT_S)
+    silent = f"no sign of life for {deadline_s:g} s (Options.rank_timeout_s)"
+    ended_at = float(mark.read_text())
+    for rank in (0, 1):
+        kind, when, message, ranks, victim_state = outcomes[rank]
+        assert (kind, ranks, victim_state) == ("RankFailedError", (2,), "T"), outcomes[rank]
+        assert silent in message, message
+        assert when - ended_at < 1.6 * deadline_s, (rank, when - ended_at, message)
+
+
 def _frozen_then_reports(mark: str, returned: str) -> None:
     cases.killer(mark, "freeze")()  # the stand-in for the phase's function
     Path(returned).write_text("returned")  # what a continued victim would go on to do

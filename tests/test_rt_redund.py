@@ -302,3 +302,6 @@ def test_more_hosts_lost_than_the_redundancy_covers_names_the_fix(base: str,
     message = str(raised.value)
     assert "CheckpointNotFoundError" in message and "hosts lost: host 1" in message
     assert "More hosts were lost than the memory tier's redundancy rebuilds" in message
+    # the slower tier the job has is named, not suggested as if it had none
+    assert f"the slower tiers ({disk}/r0000" in message, message
+    assert ", every=2) hold no step every rank can load" in message, message

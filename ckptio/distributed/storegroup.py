@@ -287,7 +287,9 @@ class StoreGroup:
                           "or crashed: a process of the job on its machine saw it gone)")
         if dead and exited.issuperset(dead):
             return dead, (f"its process exited while rank {self.rank} waited for {what} (it "
-                          "ended, saying so to the job's store): see that rank's own error")
+                          "ended, saying so to the job's store): see that rank's output for "
+                          "its own error; with none there, its script ended before this "
+                          "collective (every rank makes each save and load)")
         if dead and (stale or not all(r in self._why for r in dead)):
             return dead, (f"no sign of life for {self.deadlines.rank_s:g} s (Options."
                           f"rank_timeout_s) while rank {self.rank} waited for {what}: its "

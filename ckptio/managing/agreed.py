@@ -127,7 +127,7 @@ def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, 
         raise CheckpointNotFoundError(
             f"no step {'' if step is None else f'{step} '}can be restored on every rank: "
             f"memory: {'; '.join(passed) or 'no step every rank can obtain'}; "
-            f"{_lost_or_other(recovery, others, guard.world)}")
+            f"{_lost_or_other(recovery, others, guard.world, levels[1:])}")
     restored: list[Restored] = []
 
     def load_fallback() -> None:  # the manager's one restore loop, for that step
@@ -161,14 +161,21 @@ def _this_world(level: TierSteps, steps: list[int], world: int, others: set[int]
     return kept
 
 
-def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
+def _lost_or_other(recovery: Recovery, others: set[int], world: int,
+                   slower: Sequence[TierSteps]) -> str:
     """The end of the error when no step can be restored: the hosts lost and each rank's
-    steps, or (steps of another rank count found) what a restart on another count needs."""
+    steps, or (steps of another rank count found) what a restart on another count needs.
+    ``slower``: the tiers after the memory tier."""
     if not others:
+        keeps = ("a slower tier (tiers=[Tier('shm://...', redundancy=...), Tier('/disk/run', "
+                 "every=...)]) keeps one for the next time" if not slower else
+                 "the slower tiers (" + ", ".join(f"{t.location}, every={t.every}"
+                                                   for t in slower)
+                 + ") hold no step every rank can load: each receives only the steps its "
+                 "every= divides")
         fix = ("" if not recovery.lost_hosts else ". More hosts were lost than the memory "
                "tier's redundancy rebuilds: start from scratch or from a step kept elsewhere; "
-               "a slower tier (tiers=[Tier('shm://...', redundancy=...), Tier('/disk/run', "
-               "every=...)]) keeps one for the next time")
+               + keeps)
         return (f"hosts lost: {', '.join(recovery.lost_hosts) or 'none'}; steps per rank in "
                 f"any tier: {recovery.anywhere}{fix}")
     return (f"steps {sorted(others)} were saved by a job of another number of ranks (each "

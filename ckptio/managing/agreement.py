@@ -6,7 +6,8 @@
   others a RankFailedError quoting it.
 - ``verdict(error)``: after a load that failed on every rank, all-gather why, and fall back
   together only if some rank found damage and none failed otherwise (``unreadable=True``: a
-  storage error, an unreadable copy, counts as damage: another copy of the step is at hand).
+  storage error, an unreadable copy, counts as damage: another copy of the step is at hand);
+  no gather when the load named a rank dead or stuck (every live rank raises that at once).
 
 Owns: those two exchanges. Does not own: what is decided (managing/manager.py, managing/level.py).
 """
@@ -95,6 +96,10 @@ class Ranks:
         group = self.group()
         if group.size == 1:
             return kind == "damaged", mine[1]
+        if isinstance(error, RankFailedError) and error.ranks:  # a rank dead or stuck, named
+            # by the load's deadline on every live rank: it would not come here either, and no
+            # other step loads without it
+            return False, mine[1]
         try:
             reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
         except RankFailedError as lost:  # a rank lost: the load's own error says which, where

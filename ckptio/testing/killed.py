@@ -26,7 +26,7 @@ from ckptio.distributed import collective, loadsteps, rankplan, storegroup
 from ckptio.saving import persist
 
 __all__ = ["PHASES", "arm", "killer", "load_killed", "options", "process_state", "save_for_load",
-           "save_killed", "save_then_exit", "victim_pid"]
+           "restore_killed", "save_killed", "save_then_exit", "victim_pid"]
 
 PHASES = ("save:plan", "save:agree", "save:write", "save:conclude", "load:keys", "load:read",
           "load:end")
@@ -129,6 +129,19 @@ def load_killed(rank: int, world: int, path: str, phase: str, victim: int, mark:
         arm(phase, mark, how)
     into = state(rank, 0)
     return _outcome(lambda: ckptio.load(path, into, options=options(deadline_s)), mark)
+
+
+def restore_killed(rank: int, world: int, root: str, phase: str, victim: int, mark: str,
+                   deadline_s: float, how: str = "kill") -> Any:
+    """A CheckpointManager under ``root`` saves step 1 on every rank; then, the victim armed,
+    every rank restores it into a fresh state (a job's restart, in the same processes)."""
+    with ckptio.CheckpointManager(root, options=options(deadline_s)) as manager:
+        manager.save(1, state(rank, 1))
+    if rank == victim:
+        arm(phase, mark, how)
+    into = state(rank, 0)
+    manager = ckptio.CheckpointManager(root, options=options(deadline_s))
+    return _outcome(lambda: manager.restore(into), mark)
 
 
 def save_then_exit(rank: int, world: int, path: str, victim: int,
