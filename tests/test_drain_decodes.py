@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,16 +110,22 @@ def test_no_record_outlives_the_drain(tmp_path: Path, shm: str, decodes: list[st
 
 
 class _Gated:
-    """A drain Route whose first ``holds`` waits for ``gate`` (the drain falls behind); every
-    step is held already, so nothing is copied; ``done`` records the steps let go."""
+    """A drain Route whose ``holds`` waits for ``gate`` (the drain falls behind), each tier's
+    first call setting ``entered[tier]``; every step is held already, so nothing is copied;
+    ``done`` records the steps let go. ``open_tiers``: tiers whose calls do not wait."""
 
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
+    def __init__(self, open_tiers: tuple[int, ...] = ()) -> None:
+        self.entered = {k: threading.Event() for k in (1, 2)}
+        self.gate = threading.Event()
+        self.open_tiers = open_tiers
         self.done_steps: list[int] = []
+        self.held: list[tuple[int, int]] = []  # (tier, step) asked, in order
 
     def holds(self, step: int, tier: int) -> bool:
-        self.entered.set()
-        assert self.gate.wait(30)
+        self.entered[tier].set()
+        self.held.append((tier, step))
+        if tier not in self.open_tiers:
+            assert self.gate.wait(30)
         return True
 
     def done(self, step: int) -> None:
@@ -133,21 +140,22 @@ def test_the_drain_lets_a_step_go_once_no_lane_wants_it() -> None:
     drain = Drain(route, [1, 1, 2], options)  # type: ignore[arg-type]
     try:
         drain.submit(1)  # tier 1 only: its copy starts and waits
-        assert route.entered.wait(30)
-        drain.submit(2)  # due in tiers 1 and 2
-        drain.submit(3)  # tier 1 skips 2; tier 2 still wants it
+        assert route.entered[1].wait(30)
+        drain.submit(2)  # due in tiers 1 and 2: tier 2's copy of it starts and waits
+        assert route.entered[2].wait(30)
+        drain.submit(3)  # tier 1 skips 2, which tier 2 is copying
         assert route.done_steps == []
-        drain.submit(4)  # tier 1 skips 3, tier 2 skips 2
-        assert route.done_steps == [2, 3]
+        drain.submit(4)  # tier 1 skips 3 (wanted nowhere else), tier 2 wants 4 next
+        assert route.done_steps == [3]
         drain.submit(5)  # tier 1 skips 4; tier 2 still wants it
-        assert route.done_steps == [2, 3]
+        assert route.done_steps == [3]
         route.gate.set()
         assert drain.wait(30)
         assert sorted(route.done_steps) == [1, 2, 3, 4, 5], route.done_steps
     finally:
         route.gate.set()
         drain.close()
-    assert drain.status()[1]["skipped"] == [2, 3, 4] and drain.status()[2]["skipped"] == [2]
+    assert drain.status()[1]["skipped"] == [2, 3, 4] and drain.status()[2]["skipped"] == []
     route = _Gated()
     route.gate.set()
     drain = Drain(route, [1, 2], options)  # type: ignore[arg-type]
@@ -220,3 +228,30 @@ def test_commits_keep_the_last_few_by_exact_bytes() -> None:
     for k in range(2, 2 + COMMITS_KEPT):
         commits.remember(f"/x/{k}", b"k", record)  # type: ignore[arg-type]
     assert commits.known("/x/1", b"one") is None, "the oldest is let go"
+
+
+def test_a_slow_tier_holds_up_only_its_own_copies() -> None:
+    """Each slower tier's copies run on a thread of their own: while tier 2's copy of step 1
+    waits (an object store retrying through an outage), tier 1 copies every step submitted,
+    none skipped (a new user's trial: the disk tier had skipped every step for the whole S3
+    outage, its newest step left minutes old)."""
+    route = _Gated(open_tiers=(1,))
+    options = ckptio.Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+    drain = Drain(route, [1, 1, 1], options)  # type: ignore[arg-type]
+    try:
+        drain.submit(1)
+        assert route.entered[2].wait(30)  # tier 2 stuck on step 1
+        for step in (2, 3, 4):
+            drain.submit(step)
+            deadline = time.monotonic() + 30
+            while (1, step) not in route.held and time.monotonic() < deadline:
+                time.sleep(0.01)  # tier 1 reaches each step before the next is submitted
+        assert [s for k, s in route.held if k == 1] == [1, 2, 3, 4]
+        assert drain.status()[1]["skipped"] == []
+        assert not drain.wait(0.1)  # tier 2 still copying
+        route.gate.set()
+        assert drain.wait(30)
+    finally:
+        route.gate.set()
+        drain.close()
+    assert drain.status()[2]["skipped"] == [2, 3]  # tier 2 went from 1 to the newest, 4

@@ -40,7 +40,7 @@ def test_a_failed_drain_copy_leaves_no_empty_step_in_the_slower_tier(tmp_path, f
     try:
         mgr.save(1, {"w": torch.ones(MiB)})
         assert mgr.drained(timeout=60) is True
-        faulty = mgr._drain._resources.wrap_backend(  # the drain's own staging and backend
+        faulty = mgr._drain._resources[1].wrap_backend(  # tier 1's drain staging, backend
             LocalStore("."), lambda b: FaultyBackend(b, **{fault: 1}, match=slow,
                                                      error="enospc"))
         mgr.save(2, {"w": torch.full((MiB,), 2.0)})

@@ -180,7 +180,7 @@ def test_the_drain_runs_on_the_worker() -> None:
     drain.submit(4)
     with pytest.raises(OSError, match="unreachable"):
         drain.wait(30)
-    assert route.seen == [("ckptio-drain", max(NICE, mine)), ("done", 4)], "failed: let go"
+    assert route.seen == [("ckptio-drain-1", max(NICE, mine)), ("done", 4)], "failed: let go"
     assert "step 4: OSError" in drain.status()[1]["error"]
     assert drain.pinned() == set()
     drain.close()

@@ -73,6 +73,7 @@ class Worker(Generic[J]):
         name: the thread's name (``ckptio-drain``, ``ckptio-protect``), in logs and debuggers.
         jobs: the owner's queue (Jobs).
         nice: the thread's CPU priority (Linux: per thread; refused: normal priority).
+        lock: the owner's condition, shared by its workers (default: one of this worker's).
 
     Example::
 
@@ -84,9 +85,12 @@ class Worker(Generic[J]):
         worker.close()
     """
 
-    def __init__(self, name: str, jobs: Jobs[J], *, nice: int = NICE) -> None:
+    def __init__(self, name: str, jobs: Jobs[J], *, nice: int = NICE,
+                 lock: threading.Condition | None = None) -> None:
         self.name = name
-        self.lock = threading.Condition()  # guards the owner's queue and the fields below
+        # guards the owner's queue and the fields below; an owner with several workers (the
+        # drain: one per slower tier) gives them its one condition
+        self.lock = threading.Condition() if lock is None else lock
         self._jobs = jobs
         self._nice = nice
         self._thread: threading.Thread | None = None

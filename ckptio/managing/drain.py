@@ -8,10 +8,12 @@ How a step is queued, skipped when the drain is behind, and copied after its bas
 ``Drain.submit`` and ``Drain.run``; once no tier wants a step any more (copied, skipped or
 due nowhere) the route is told (``Route.done``: the save's kept record goes).
 
-Owns: the queue of due steps per tier, their pace (``rate``), the drain's own small staging
-(a few buffers, never the saves' pool), its status. The thread, its priority and the error
-raised once are the Worker's (worker.py). Does not own: the copy (copy.py), which stores to read
-and write and the tiers' retention (the manager, through a Route).
+Owns: the queue of due steps per tier, their pace (``rate``, shared by the tiers), each tier's
+small staging (a few buffers, never the saves' pool), its status. Each slower tier's copies run
+on a Worker of their own (worker.py: the thread, its priority, the error raised once), so a
+tier that is slow or retrying (an object store away) holds up only its own copies, not the
+disk's. Does not own: the copy (copy.py), which stores to read and write and the tiers'
+retention (the manager, through a Route).
 """
 
 from __future__ import annotations
@@ -115,11 +117,15 @@ class Drain:
         lasting = long_every or [() for _ in everies]
         self._lanes = {k: _Lane(every, lasting[k]) for k, every in enumerate(everies) if k > 0}
         pool = DRAIN_BUFFERS * options.buffer_bytes
-        self._resources = ReusedIOResources(dataclasses.replace(
-            options, pool_bytes=pool, host_budget_bytes=pool, use_profile=False))
+        staging = dataclasses.replace(options, pool_bytes=pool, host_budget_bytes=pool,
+                                      use_profile=False)
+        self._resources = {k: ReusedIOResources(staging) for k in self._lanes}
         self._rate = rate
-        self._worker: Worker[_Copy] = Worker("ckptio-drain", self, nice=nice)
-        self._lock = self._worker.lock  # guards the lanes; the worker sleeps on it
+        self._lock = threading.Condition()  # guards the lanes; the workers sleep on it
+        self._workers: dict[int, Worker[_Copy]] = {
+            k: Worker(f"ckptio-drain-{k}", _LaneJobs(self, k), nice=nice, lock=self._lock)
+            for k in self._lanes}
+        self._closed = False
         self._next_free = 0.0  # pace: when the bytes copied so far are paid for
         self._newest: int | None = None  # the newest step submitted
         self._final: int | None = None  # the newest step final() made due everywhere
@@ -153,8 +159,11 @@ class Drain:
         left: set[int] = set()  # the steps this submit may leave due nowhere: let go below
         taken = False
         with self._lock:
-            self._worker.wake()  # first: refused after close(); runs once the lock is let go
-            for k in tiers:
+            if self._closed:  # first: nothing runs any more (a step due nowhere included)
+                raise CkptError("ckptio-drain: a step was submitted after close(); it will "
+                                "not be copied. Submit steps only while the manager is open")
+            for k in tiers:  # each lane's thread runs once the lock is let go
+                self._workers[k].wake()
                 lane = self._lanes[k]
                 lane.held, lane.failed = [*lane.failed, *lane.held], []  # tried again first
                 for held, _since in lane.held if final else ():
@@ -240,39 +249,57 @@ class Drain:
                     for k, lane in self._lanes.items()}
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until nothing is due or being copied (-> True), or ``timeout`` (-> False). The
-        first copy error not raised yet is raised here, once."""
-        return self._worker.wait(timeout)
+        """Until nothing is due or being copied in any tier (-> True), or ``timeout`` (->
+        False). The first copy error not raised yet is raised here, once (each tier's)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first: Exception | None = None
+        done = True
+        for worker in self._workers.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                done = worker.wait(left) and done
+            except Exception as exc:  # noqa: BLE001 - a tier's copy error: the first is raised
+                first = first or exc
+        if first is not None:
+            raise first
+        return done
 
     def close(self) -> None:
-        """wait(), stop the thread, free the staging (the error is raised after)."""
+        """wait(), stop the threads, free the staging (the first error is raised after)."""
+        with self._lock:
+            self._closed = True
+        first: Exception | None = None
         try:
-            self._worker.close()
+            for worker in self._workers.values():
+                try:
+                    worker.close()
+                except Exception as exc:  # noqa: BLE001 - every tier closed; the first raised
+                    first = first or exc
         finally:
-            self._resources.free()
+            for resources in self._resources.values():
+                resources.free()
+        if first is not None:
+            raise first
 
-    # ------------------------------------------- the worker's Jobs (worker.py): its thread
+    # ---------------------------- the workers' Jobs (worker.py, through _LaneJobs): their threads
 
-    def take(self) -> _Copy | None:
-        """The step waiting longest (a tie: the faster tier's), so no tier starves (under
-        the lock)."""
-        waiting = [(lane.held[0][1] if lane.held else lane.wanted[1], k)  # type: ignore[index]
-                   for k, lane in self._lanes.items() if lane.wanted or lane.held]
-        if not waiting:
-            return None
-        k = min(waiting)[1]
-        lane = self._lanes[k]
-        if lane.held:  # older than the step due: submitted first
+    def take(self, tier: int) -> _Copy | None:
+        """Tier ``tier``'s next copy (under the lock): a step it keeps for good that a newer
+        one passed first (submitted first), else the step due."""
+        lane = self._lanes[tier]
+        if lane.held:
             step, since = lane.held.pop(0)
+        elif lane.wanted is not None:
+            (step, since), lane.wanted = lane.wanted, None
         else:
-            (step, since), lane.wanted = lane.wanted, None  # type: ignore[misc]
+            return None
         lane.busy, lane.ending = step, False
-        return _Copy(k, step, since)
+        return _Copy(tier, step, since)
 
-    def pending(self) -> bool:
-        """Whether a step is due or being copied (under the lock)."""
-        return any(lane.wanted or lane.held or lane.busy is not None
-                   for lane in self._lanes.values())
+    def pending(self, tier: int) -> bool:
+        """Whether a step is due or being copied in tier ``tier`` (under the lock)."""
+        lane = self._lanes[tier]
+        return bool(lane.wanted or lane.held or lane.busy is not None)
 
     def finish(self, job: _Copy, error: Exception | None) -> None:
         """Record ``job``'s outcome (under the lock). A failed copy is logged at once and the
@@ -290,17 +317,13 @@ class Drain:
     def run(self, job: _Copy) -> None:
         """Copy ``job.step`` to its tier (copy.py: verified source, files, manifest last).
 
-        A delta step (its manifest references a base step, docs/FORMAT.md version 4) is
-        copied after its base: when the slower tier does not hold the base committed, the base
-        is copied there first (from the fastest tier holding it), then the delta; that tier's
-        retention runs only once the delta is committed, and it keeps a kept delta's base.
-        Base-first rather than a self-contained copy: a copy moves bytes through the drain's
-        staging and never decodes, and each base moves once however many deltas follow. A
-        kill between the two copies leaves the base committed and the delta incomplete:
-        restore never picks the delta, and retention removes the lone base later. Once no
-        other lane wants ``step``, the route is told (``done``), whatever the outcome. A
-        failed copy of a step its tier keeps for good is tried again when the next step is due
-        there (tier 0's retention keeps it meanwhile): dropped, it would be lost for good."""
+        A delta step (docs/FORMAT.md version 4) is copied after its base, which is copied
+        first where the tier lacks it (each base moves once however many deltas follow; a
+        copy never decodes); the tier's retention runs once the delta is committed and keeps
+        a kept delta's base. A kill between the two leaves the delta incomplete (never
+        restored) and the lone base to retention. Once no other lane wants ``step``, the
+        route is told (``done``). A failed copy of a step its tier keeps for good is tried
+        again at the next step due there (tier 0 keeps it meanwhile)."""
         try:
             self._run(job)
         except BaseException as exc:
@@ -330,7 +353,7 @@ class Drain:
                 self._lanes[k].skipped.append(step)
             return
         nbytes = self._copy_bases(k, step)
-        nbytes += copy_checkpoint(self._resources, source, self._route.target(step, k),
+        nbytes += copy_checkpoint(self._resources[k], source, self._route.target(step, k),
                                   self._pace if self._rate else None,
                                   known=self._route.known(step, k))
         durable_s = time.monotonic() - job.since
@@ -351,17 +374,39 @@ class Drain:
                                 f"against step {base}, which no faster tier holds committed")
             log.info("ckptio: the drain copies base step %d to tier %d before its delta %d",
                      base, k, step)
-            nbytes += copy_checkpoint(self._resources, source, self._route.target(base, k),
+            nbytes += copy_checkpoint(self._resources[k], source, self._route.target(base, k),
                                       self._pace if self._rate else None,
                                       known=self._route.known(base, k))
         return nbytes
 
     def _pace(self, nbytes: int) -> None:
-        if not self._rate:  # lifted by final()
-            return
-        now = time.monotonic()
-        self._next_free = max(self._next_free, now) + nbytes / float(self._rate)
-        if self._next_free > now:  # final() wakes it early: the rate lifted
-            with self._lock:
+        """The rate is the drain's, whatever the tiers copying at once: each copy's bytes are
+        paid for after those of every copy before them."""
+        with self._lock:
+            if not self._rate:  # lifted by final()
+                return
+            now = time.monotonic()
+            self._next_free = max(self._next_free, now) + nbytes / float(self._rate)
+            if self._next_free > now:  # final() wakes it early: the rate lifted
                 self._lock.wait_for(lambda: not self._rate,
                                     min(self._next_free - now, threading.TIMEOUT_MAX))
+
+
+@dataclass
+class _LaneJobs:
+    """The Jobs (worker.py) of tier ``tier``'s worker: that tier's lane of ``drain``."""
+
+    drain: Drain
+    tier: int
+
+    def take(self) -> _Copy | None:
+        return self.drain.take(self.tier)
+
+    def pending(self) -> bool:
+        return self.drain.pending(self.tier)
+
+    def run(self, job: _Copy) -> None:
+        self.drain.run(job)
+
+    def finish(self, job: _Copy, error: Exception | None) -> None:
+        self.drain.finish(job, error)
