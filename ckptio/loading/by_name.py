@@ -53,6 +53,7 @@ class Renamed:
     model: str | None = None
     in_model: frozenset[str] = frozenset()  # the names of the state's modules' parameters
     retyped: frozenset[str] = frozenset()  # model tensor saved at another dtype, left (no cast)
+    beside: tuple[str, ...] = ()  # the state's other top-level keys (scheduler, step, RNG...)
 
     @property
     def added(self) -> list[str]:

@@ -106,8 +106,9 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
         elif name in index and source is not None and not cast and \
                 torch_dtype(source.head.dtype) != param.dtype:
             retyped.add(name)
+    beside = tuple(sorted({k.split(".", 1)[0] for k in flat.leaves} - {prefix}))
     return Renamed(prefix, opt, saved, wanted, index, reshaped, model, in_model,
-                   frozenset(retyped))
+                   frozenset(retyped), beside if prefix and "." not in prefix else ())
 
 
 def refusal(renamed: Renamed, sources: Sources) -> tuple[str, str]:
@@ -116,11 +117,15 @@ def refusal(renamed: Renamed, sources: Sources) -> tuple[str, str]:
     prefix = renamed.prefix
     split = (sources.saved_world > 1 and not renamed.reshaped and renamed.added
              and all(_in_checkpoint(renamed, sources, n) for n in renamed.added))
-    leave_out = f"keys=[{renamed.model!r}]" if renamed.model else "keys=..."
+    # everything but the optimizer (its scheduler, step and RNG too), else the model alone
+    leave_out = (f"keys={list(renamed.beside)!r}" if renamed.beside else
+                 f"keys=[{renamed.model!r}]" if renamed.model else "keys=...")
+    fate = "; ".join(([] if not renamed.added else ["added parameters start with none"])
+                     + ([] if not renamed.removed else ["removed ones' state is left out"]))
     fixes = (f"Pass strict=False to load what matches (the model's tensors of unchanged name and "
-             "shape, and this optimizer's state mapped by parameter name: added parameters "
-             f"start with none), or {leave_out} to leave the optimizer out (with strict=False "
-             "as well where the model's own keys changed)")
+             "shape, and this optimizer's state mapped by parameter name"
+             f"{': ' + fate if fate else ''}), or {leave_out} to leave the optimizer out (with "
+             "strict=False as well where the model's own keys changed)")
     if split:
         g = next((g for g, (a, b) in enumerate(zip(renamed.saved, renamed.wanted)) if a != b), 0)
         return (_message(prefix, g, renamed.saved[g], renamed.wanted[g], sources)
