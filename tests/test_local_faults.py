@@ -168,6 +168,24 @@ def test_a_background_failure_raised_at_the_next_save_says_that_step_was_not_sav
     assert mgr.steps() == [4]
 
 
+def test_with_deltas_too_the_next_save_says_its_step_was_not_saved(fs):
+    """A manager that settles the save in flight before the next one (deltas choose a base
+    among committed steps; a memory tier's retention runs first) says the same: the step it
+    did not save, then the failed one's error (before: that error alone, as if raised by the
+    failed save's own wait; a new user's trial, with a memory tier)."""
+    run = fs.mountpoint / "run"
+    mgr = ckptio.CheckpointManager(run, delta=True)
+    fs.fail("fsync", r"/run/step-3/data-")
+    mgr.save(3, _state(3.0), force=True, asynchronous=True)
+    with pytest.raises(ckptio.StorageIOError, match=r"(?s)^step 4 was not saved \(nothing of it "
+                                                    r"was written\): the save of step 3 before "
+                                                    r"it failed.*Input/output error"):
+        mgr.save(4, _state(4.0), force=True)
+    mgr.save(4, _state(4.0), force=True)
+    mgr.close()
+    assert mgr.steps() == [4]
+
+
 def test_checkpointer_close_with_a_timeout_gives_up_and_frees_nothing(fs):
     """Checkpointer.close(timeout=) on an async save whose data fsync hangs: SaveTimeoutError
     naming the path, the rank and the file, in time; the save still owns its staging pool, so

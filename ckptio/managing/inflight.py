@@ -191,9 +191,10 @@ class InFlight:
             self._failed(pending.base, exc)
             raise
 
-    def settle(self, ck: Checkpointer) -> list[int]:
+    def settle(self, ck: Checkpointer, before: int | None = None) -> list[int]:
         """The save in flight finishes (as the Checkpointer's next save would wait for it, on
-        every rank alike), its unseen error raised here -> [its step] if it committed."""
+        every rank alike), its unseen error raised here -> [its step] if it committed.
+        ``before``: the step about to be saved, which that error then costs (said so)."""
         pending = self._pending
         if pending is None:
             return []
@@ -201,7 +202,11 @@ class InFlight:
             ck.settle()
         except BaseException as exc:  # noqa: BLE001 - raised again
             self._failed(pending.base, exc)
-            raise
+            if before is None or not isinstance(exc, CkptError):
+                raise
+            raise restated(exc, f"step {before} was not saved (nothing of it was written): "
+                                f"the save of step {pending.step} before it failed in the "
+                                "background: ") from exc.__cause__
         finally:
             self._pending = None
         return self._ok(pending)

@@ -205,7 +205,7 @@ class CheckpointManager(ManagerParts):
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
             # the new save, which then reuses the pages of the step dropped (storage/local/mapped.py)
-            self._settle()
+            self._settle(step)
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
             first.choose_base, self.delta, step, self._long_every)

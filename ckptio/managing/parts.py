@@ -224,10 +224,10 @@ class ManagerParts:
                 "there, and the steps the first tier committed stay. Check that storage "
                 "(dmesg, the network filesystem's server)")
 
-    def _settle(self) -> None:
-        """The async save in flight finishes (its unseen error raised here); committed, its
-        retention runs."""
-        for done in self._saves.settle(self._ck):
+    def _settle(self, before: int) -> None:
+        """The async save in flight finishes before step ``before`` is saved (its unseen error
+        raised here, saying it costs that step); committed, its retention runs."""
+        for done in self._saves.settle(self._ck, before):
             self._committed(done)
 
     def close(self, timeout: float | None = None) -> None:
