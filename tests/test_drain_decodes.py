@@ -239,13 +239,12 @@ def test_a_slow_tier_holds_up_only_its_own_copies() -> None:
     options = ckptio.Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
     drain = Drain(route, [1, 1, 1], options)  # type: ignore[arg-type]
     try:
-        drain.submit(1)
-        assert route.entered[2].wait(30)  # tier 2 stuck on step 1
-        for step in (2, 3, 4):
+        for step in (1, 2, 3, 4):
             drain.submit(step)
             deadline = time.monotonic() + 30
             while (1, step) not in route.held and time.monotonic() < deadline:
                 time.sleep(0.01)  # tier 1 reaches each step before the next is submitted
+            assert route.entered[2].wait(30)  # tier 2 stuck on step 1 from the first
         assert [s for k, s in route.held if k == 1] == [1, 2, 3, 4]
         assert drain.status()[1]["skipped"] == []
         assert not drain.wait(0.1)  # tier 2 still copying

@@ -233,3 +233,28 @@ def test_a_fresh_jobs_slots_of_sizes_no_save_writes_go_at_the_first_drop(shm):
         mgr._levels[0].join_removal()
         left = {n: os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots)}
         assert {n: s for n, s in left.items() if s not in data} == {}
+
+
+def test_the_slots_made_ahead_stay_within_max_bytes(shm):
+    """A memory tier's slots made ahead (prepare(), restore()) for its first saves count within
+    its max_bytes: a budget of two and a half steps gets two steps' files, not the ring's three
+    (a new user's trial: 289 MiB on tmpfs after the first step against max_bytes=200 MiB)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt}
+
+    def slot_nbytes(tier: str) -> int:
+        slots = os.path.join(shm, tier, SLOTS_DIR)
+        return sum(os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots))
+
+    with ckptio.CheckpointManager(tiers=[Tier("shm://free", keep_last=2)]) as mgr:
+        mgr.prepare(state, wait=True)
+        one_step = slot_nbytes("free") // 3  # the ring: keep_last + 1 steps' files
+    with ckptio.CheckpointManager(tiers=[Tier("shm://bound", keep_last=2,
+                                              max_bytes=int(one_step * 2.5))]) as mgr:
+        mgr.prepare(state, wait=True)
+        assert slot_nbytes("bound") == 2 * one_step

@@ -25,6 +25,7 @@ from ckptio.managing.agreement import Ranks
 from ckptio.managing.level import TierSteps
 from ckptio.managing.tier import Tier
 from ckptio.policies import RetentionPolicy
+from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.select import capped, root_for
 
 __all__ = ["PROBE_DEADLINE_S", "list_tiers", "make_levels"]
@@ -59,6 +60,8 @@ def make_levels(tiers: Sequence[Tier], keeps: Sequence[RetentionPolicy], ck: Che
         root = root_for(tier.location, ck.options if k == 0 else slower)
         lister = root if k == 0 else root_for(
             tier.location, capped(tier.location, slower, PROBE_DEADLINE_S))
+        if k == 0 and tier.max_bytes is not None and isinstance(root, LocalRoot):
+            root.bound_slots(tier.max_bytes)  # a memory tier's pages kept for later saves too
         levels.append(TierSteps(tier.location, tier.every, root, lister, keep, ck, ranks,
                                 process_group, k))
     return levels

@@ -162,8 +162,9 @@ class Drain:
             if self._closed:  # first: nothing runs any more (a step due nowhere included)
                 raise CkptError("ckptio-drain: a step was submitted after close(); it will "
                                 "not be copied. Submit steps only while the manager is open")
-            for k in tiers:  # each lane's thread runs once the lock is let go
-                self._workers[k].wake()
+            for worker in self._workers.values():  # every lane's thread started by the
+                worker.wake()  # first step (as one thread was), running once the lock is free
+            for k in tiers:
                 lane = self._lanes[k]
                 lane.held, lane.failed = [*lane.failed, *lane.held], []  # tried again first
                 for held, _since in lane.held if final else ():

@@ -194,6 +194,11 @@ class CheckpointManager(ManagerParts):
             return None
         self._said_at_exit()  # until close(): an exit after a save is said (unclosed.py)
         first = self._levels[0]
+        if self.delta is not None or is_memory(self.tiers[0]):
+            # a base is chosen among committed steps; a memory tier's retention runs before
+            # the new save (its room then counts only the steps it keeps), which then reuses
+            # the pages of the step dropped (storage/local/mapped.py)
+            self._settle(step)
         self._room_for(state)
         if not self._first_leased:  # the run directory this save makes, and the slower
             # tiers' its drain will make: their incomplete steps are its drain's copies
@@ -202,10 +207,6 @@ class CheckpointManager(ManagerParts):
         refusal = self._agreed(self._refusal, step, metrics, metadata)
         if refusal is not None:
             raise CkptError(refusal)
-        if self.delta is not None or is_memory(self.tiers[0]):
-            # a base is chosen among committed steps; a memory tier's retention runs before
-            # the new save, which then reuses the pages of the step dropped (storage/local/mapped.py)
-            self._settle(step)
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
             first.choose_base, self.delta, step, self._long_every)

@@ -26,6 +26,7 @@ Does not own: saving, draining, restoring (managing/manager.py, managing/, manag
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from ckptio.storage.select import checkpoint_path, scheme_of
 
 __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "newest_size",
            "one_host", "state_nbytes", "step_sizes"]
+
+log = logging.getLogger("ckptio")
 
 MEMORY_SCHEMES = ("shm", "mem")
 
@@ -160,6 +163,12 @@ def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: Callabl
             f"{_amount(tier.max_bytes)}. It holds keep_last={tier.keep_last} steps plus the "
             f"one being saved ({_amount(fits)}): raise max_bytes or lower keep_last; the "
             "steps it holds are kept")
+    if tier.max_bytes is not None and not sizes and fits > tier.max_bytes:
+        log.warning("ckptio: memory tier %s: max_bytes=%s holds fewer than keep_last=%s steps "
+                    "of %s plus the one being saved (%s): a save will be refused once it "
+                    "holds %s steps, unless its steps get smaller (deltas). Raise max_bytes or "
+                    "lower keep_last", tier.location, _amount(tier.max_bytes), tier.keep_last,
+                    _amount(step_nbytes), _amount(fits), tier.keep_last or 1)
     free = _free_nbytes(directory)
     if free is not None:  # the dropped step's pages kept for the new one are free for it
         free += slot_nbytes(directory)

@@ -65,6 +65,26 @@ class LocalRoot:
         self._joined = (directory, os.path.join(directory, ""))  # (location, with its separator)
         self.slots = slots
         self.mappings = Mappings()
+        self._slot_budget: int | None = None  # bytes its steps and slots may hold (bound_slots)
+
+    def bound_slots(self, max_bytes: int) -> None:
+        """The memory tier's max_bytes: its slots (kept and made ahead) hold no more than that,
+        less the bytes of the steps it holds."""
+        self._slot_budget = max_bytes
+
+    def _slot_room(self) -> int | None:
+        """Bytes the slots may hold now (None: no bound)."""
+        if self._slot_budget is None:
+            return None
+        held = 0
+        for entry in _entries(self.location):
+            if step_of(entry.name) is not None and entry.is_dir(follow_symlinks=False):
+                try:
+                    with os.scandir(entry.path) as files:
+                        held += sum(f.stat().st_size for f in files if f.is_file())
+                except OSError:  # removed meanwhile
+                    continue
+        return max(0, self._slot_budget - held)
 
     def store_at(self, location: str) -> LocalStore:
         """The store of step directory ``location`` (one of this root's), carrying the root's
@@ -118,7 +138,8 @@ class LocalRoot:
         leftovers = hidden(self.location)
         if leftovers and fsync_dir(self.location):
             if self.slots and on_tmpfs(self.location):  # renames only: the thread deletes
-                keep_slots(self.location, sorted((_hidden_step(p), p) for p in leftovers))
+                keep_slots(self.location, sorted((_hidden_step(p), p) for p in leftovers),
+                           self._slot_room())
                 # Here, not on the removal thread: the next save maps the slots only if they
                 # are mapped ahead (storage/files.mappable), and it starts right after this
                 # pass. Only slots written through the pool cost anything: a mapped save's
@@ -136,7 +157,7 @@ class LocalRoot:
         if not (self.slots and on_tmpfs(self.location)):
             return
         try:
-            make_slots(self.location, sizes, SLOT_STEPS + 1)
+            make_slots(self.location, sizes, SLOT_STEPS + 1, self._slot_room())
         except OSError as exc:  # a full tmpfs, say: the first saves go through the pool
             log.info("ckptio: no slots made ahead in %s (%s)", self.location, exc)
         warm_slots(self.location, self.mappings, on_mapped)

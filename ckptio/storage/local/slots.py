@@ -75,13 +75,15 @@ def _rename_noreplace(source: str, target: str) -> int:
     return ctypes.get_errno()
 
 
-def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
+def keep_slots(root: str, dropped: Sequence[tuple[int, str]],
+               most_nbytes: int | None = None) -> None:
     """Of the dropped step directories ``dropped`` ((step, directory), oldest first), make the
     data files of the newest steps the slots of ``root``, with the slots held before: the
-    newest SLOT_STEPS steps' files are kept, the older ones go into the newest dropped
-    directory, removed with it. Two steps drop at once where one was pinned (a drain copying
-    it): keeping both keeps the ring big enough that the next pin finds a slot too. A failure
-    is logged: the removal deletes what is left."""
+    newest SLOT_STEPS steps' files are kept (no more than ``most_nbytes`` of them: the tier's
+    max_bytes less its steps), the older ones go into the newest dropped directory, removed
+    with it. Two steps drop at once where one was pinned (a drain copying it): keeping both
+    keeps the ring big enough that the next pin finds a slot too. A failure is logged: the
+    removal deletes what is left."""
     if not dropped:
         return
     newest, slots = dropped[-1][1], os.path.join(root, SLOTS_DIR)
@@ -94,7 +96,7 @@ def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
         with os.scandir(slots) as it:
             held = [(e.path, e.name, e.stat(follow_symlinks=False).st_size) for e in it]
         keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n, _ in held})
-        keep = keep[-SLOT_STEPS:]
+        keep = _within(keep[-SLOT_STEPS:], most_nbytes, fresh, held)
         # files made ahead of sizes no save writes (prepare() saw a state before its
         # optimizer had any: a fresh job's) would hold their pages until two steps dropped
         sizes = {os.path.getsize(source) for _, files in fresh for source in files}
@@ -111,6 +113,26 @@ def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
                     "removed with it", newest, exc)
 
 
+def _within(keep: list[int], most_nbytes: int | None, fresh: list[tuple[int, list[str]]],
+            held: list[tuple[str, str, int]]) -> list[int]:
+    """The newest of the steps ``keep`` whose slot files (``fresh`` ones, ``held`` ones) add up
+    to no more than ``most_nbytes`` (None: all of them)."""
+    if most_nbytes is None:
+        return keep
+    nbytes = dict.fromkeys(keep, 0)
+    for step, files in fresh:
+        nbytes[step] = nbytes.get(step, 0) + sum(map(os.path.getsize, files))
+    for _, name, size in held:
+        nbytes[_slot_step(name)] = nbytes.get(_slot_step(name), 0) + size
+    kept: list[int] = []
+    for step in reversed(keep):
+        most_nbytes -= nbytes[step]
+        if most_nbytes < 0:
+            break
+        kept.insert(0, step)
+    return kept
+
+
 def _data_files(directory: str) -> list[str]:
     with os.scandir(directory) as it:
         return [e.path for e in it
@@ -123,12 +145,14 @@ def _slot_step(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
+def make_slots(root: str, sizes: Sequence[int], sets: int,
+               most_nbytes: int | None = None) -> None:
     """Slot files of ``sizes`` for ``root``'s first ``sets`` saves, every page allocated (a
     manager's prepare: its memory tier's first saves then copy into slots mapped ahead, not
-    through the pool). Sizes held already count: dropped steps' files and this process's own
-    (another rank's are its own). Named as the oldest dropped step (``prepared.*``), so a
-    dropped step's files outrank them."""
+    through the pool), whole sets only, no more than ``most_nbytes`` in all (the tier's
+    max_bytes less its steps). Sizes held already count: dropped steps' files and this
+    process's own (another rank's are its own). Named as the oldest dropped step
+    (``prepared.*``), so a dropped step's files outrank them."""
     slots, mine = os.path.join(root, SLOTS_DIR), f"prepared.{os.getpid()}."
     os.makedirs(slots, exist_ok=True)
     _remove_orphans(slots)
@@ -136,6 +160,8 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
         held = [e.stat(follow_symlinks=False).st_size for e in it
                 if e.is_file(follow_symlinks=False)
                 and (e.name.startswith(mine) or not e.name.startswith("prepared."))]
+    if most_nbytes is not None:  # whole sets (the slots held of those sizes among them)
+        sets = min(sets, most_nbytes // max(1, sum(sizes)))
     for index, size in enumerate(sorted(list(sizes) * sets)):
         if size in held:
             held.remove(size)
