@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from ckptio.testing.hostjob import RanksFailed
+from ckptio.errors import CkptError
 from ckptio.testing.multihost import Hosts, best_mode, netns_possible, sweep_stale
 
 WHY_NOT_NETNS = netns_possible()
@@ -166,6 +167,17 @@ def test_wiped_host_memory_is_empty(two_hosts: Hosts) -> None:
 def test_rank_error_names_rank_and_host(two_hosts: Hosts) -> None:
     with pytest.raises(RanksFailed, match=r"(?s)rank 1 \(host 1\).*ValueError: rank 1 says no"):
         two_hosts.run(fail_on_rank_1, timeout_s=120)
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_at_once(two_hosts: Hosts) -> None:
+    """A function defined inside another (or in the script run as __main__) cannot be
+    imported by the ranks: refused naming the fix, not a timeout whose cause is in the agent's
+    log (a new user's trial)."""
+    def case(rank: int, world: int) -> int:
+        return rank
+
+    with pytest.raises(CkptError, match="top level of a module the ranks can import"):
+        two_hosts.start(case)
 
 
 @pytest.mark.parametrize("mode", BOTH)

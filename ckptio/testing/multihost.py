@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ckptio.errors import CkptError
 from ckptio.storage.holder import alive
 
 __all__ = ["MODES", "Host", "Hosts", "best_mode", "netns_possible", "sweep_stale"]
@@ -255,8 +256,17 @@ class Hosts:
               timeout_s: float = 180, host_env: str | None = "CKPTIO_HOST_ID",
               env: dict[str, str] | None = None) -> Any:
         """Launch ``fn(rank, world_size, *args)`` on every rank of every host -> a running
-        hostjob.Job (``.wait()``, ``.kill_host(i)``)."""
+        hostjob.Job (``.wait()``, ``.kill_host(i)``). ``fn`` is imported by each rank from
+        its module, so it must be defined at the top level of an importable module."""
         from ckptio.testing.hostjob import Job
+
+        module = getattr(fn, "__module__", None)
+        if module == "__main__" or "<locals>" in getattr(fn, "__qualname__", "<locals>"):
+            raise CkptError(
+                f"Hosts.start({getattr(fn, '__qualname__', fn)!r}): each rank imports the "
+                f"function by name from its module ({module}), which a rank cannot do for one "
+                "defined in the script you run or inside another function: define it at the "
+                "top level of a module the ranks can import (a file beside your script)")
 
         job = Job(self, fn, args, ranks_per_host, timeout_s, host_env, env or {})
         self._jobs.append(job)
