@@ -448,3 +448,14 @@ def restore_rebuild_raises(rank: int, world: int, base: str, disk: str, per_host
     started = time.monotonic()
     out = restore(rank, world, base, disk, per_host, spec)
     return {**out, "seconds": time.monotonic() - started}
+
+
+def too_few_ranks(rank: int, world: int, base: str, spec: str) -> str:
+    """A manager whose redundancy needs more hosts than the job has ranks -> what each rank
+    raised (every rank alike, before any group is made)."""
+    _play_host(rank, 1, base)
+    try:
+        ckptio.CheckpointManager(tiers=[Tier("shm://run", redundancy=_spec(spec))])
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "made"

@@ -38,7 +38,8 @@ import pytest
 
 import ckptio
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
-from tests.redundancy_cases import OPTS, host_dir, restore, same_bits, train, wipe_host
+from tests.redundancy_cases import (OPTS, host_dir, restore, same_bits, too_few_ranks, train,
+                                    wipe_host)
 
 TIMEOUT = 240
 
@@ -305,3 +306,15 @@ def test_more_hosts_lost_than_the_redundancy_covers_names_the_fix(base: str,
     # the slower tier the job has is named, not suggested as if it had none
     assert f"the slower tiers ({disk}/r0000" in message, message
     assert ", every=2) hold no step every rank can load" in message, message
+
+
+def test_a_redundancy_needing_more_hosts_than_ranks_is_refused_alike_on_every_rank(
+        base: str) -> None:
+    """Parity(k=3) on a job of 3 ranks (a group is 4 hosts): every rank raises the same
+    CkptError at once, naming the fix, before any process group is made (a new user's trial:
+    one rank got torch's DistNetworkError, as the others' refusal came after the host gather
+    and the rank holding the store exited)."""
+    said = run_ranks(3, too_few_ranks, base, "parity-3", timeout_s=TIMEOUT)
+    assert len(set(said)) == 1, said
+    assert said[0].startswith("CkptError: Tier('shm://run', redundancy=parity(k=3)"), said[0]
+    assert "3 rank(s), so at most 3 host(s), and it needs at least 4" in said[0], said[0]

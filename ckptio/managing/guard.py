@@ -66,6 +66,13 @@ class Guard:
         self.root = _unclaimed(checkpoint_path(tiers[0].location), tiers[0].location)
         self.spec = spec
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world < spec.least_hosts:  # every rank alike, before any group is made
+            raise CkptError(f"Tier({tiers[0].location!r}, redundancy={spec.describe()}): this "
+                            f"job has {self.world} rank(s), so at most {self.world} host(s), "
+                            f"and it needs at least {spec.least_hosts}: use a redundancy for "
+                            f"at most {self.world} hosts (Parity(k) with k <= "
+                            f"{self.world - 1}, Partners(n) with n <= {self.world - 1}), or "
+                            "run on more hosts")
         # gloo groups of their own, never the training's. ``group``: the protection thread's,
         # a peer gone noticed after peer_timeout_s; ``control``: this (the caller's) thread's
         # gathers (a restore's: ``meeting``), so the two threads never interleave on one group

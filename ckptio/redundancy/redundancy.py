@@ -51,6 +51,11 @@ class Partners:
     def describe(self) -> str:
         return f"partners(n={self.n}{_rate_text(self.rate)})"
 
+    @property
+    def least_hosts(self) -> int:
+        """The fewest hosts it can place its copies on: the rank's own and ``n`` others."""
+        return self.n + 1
+
 
 @dataclass(frozen=True)
 class Parity:
@@ -74,6 +79,11 @@ class Parity:
     def describe(self) -> str:
         m = "" if self.m == 1 else f", m={self.m}"
         return f"parity(k={self.k}{m}{_rate_text(self.rate)})"
+
+    @property
+    def least_hosts(self) -> int:
+        """The fewest hosts a parity group is made of: k + m."""
+        return self.k + self.m
 
     def block_nbytes(self, longest: int, members: int) -> int:
         """The parity bytes each member of a group of ``members`` hosts holds when the
