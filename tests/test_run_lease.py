@@ -22,6 +22,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -288,3 +289,30 @@ def test_overwrite_false_refuses_a_committed_checkpoint_and_writes_nothing(tmp_p
         ck.close()
     assert sorted(os.listdir(path)) == files
     assert torch.equal(ckptio.load(path)["w"], torch.ones(4))
+
+
+def test_a_job_that_took_over_a_live_run_is_told_the_newer_steps_are_the_other_job_s(
+        tmp_path: Path) -> None:
+    """take_over=True while the first job still runs: that job keeps saving until its next
+    save sees its lease lost; the new job's first save is then older than those steps. The
+    refusal says whose they are and to stop that job, not the rollback advice (remove the
+    newer steps) a new user followed in a trial."""
+    def state() -> dict[str, Any]:
+        return {"model": torch.nn.Linear(4, 4), "step": 0}
+
+    first = CheckpointManager(tmp_path / "run", keep_last=5)
+    first.save(1, state())
+    first.save(2, state())
+    second = CheckpointManager(tmp_path / "run", take_over=True)
+    try:
+        assert second.restore(state()) == 2
+        first.save(3, state())
+        first.save(4, state())
+        with pytest.raises(ckptio.CkptError) as refused:
+            second.save(3, state())
+        message = str(refused.value)
+        assert "took the run over (take_over=True) after restoring step 2" in message, message
+        assert "stop that job" in message and "remove those newer steps" not in message
+    finally:
+        second.close()
+        first.close()

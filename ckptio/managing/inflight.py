@@ -53,10 +53,11 @@ class InFlight:
         return set() if pending is None or pending.base is None else {pending.base}
 
     def refusal(self, levels: Sequence[TierSteps], step: int,
-                metrics: Mapping[str, Any] | None,
-                metadata: Mapping[str, Any] | None) -> str | None:
+                metrics: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None, *,
+                taken_over: int | None = None) -> str | None:
         """Rank 0: why ``step`` may not be saved into the first of ``levels`` (the manager's
-        tiers) now, or None; a CkptError for bad metrics or metadata. Finishes a removal of
+        tiers) now, or None; a CkptError for bad metrics or metadata. ``taken_over``: the step
+        this job restored after taking the run over (take_over=True). Finishes a removal of
         ``step`` still pending there first. A committed step is never saved over, except one a
         load found damaged (the atomic commit replaces it safely), nor a step older than an
         undamaged committed one of any tier (a rollback), nor into a step's directory holding
@@ -88,12 +89,17 @@ class InFlight:
         where = "; ".join(f"{steps[:10]} in {tier}" for tier, steps in newer.items())
         last = max(s for steps in newer.values() for s in steps)
         also = f" (and step {step} itself is committed at {path})" if taken else ""
+        fix = (f"After a rollback (restore(state, step=N)), remove those newer steps first "
+               f"(they belong to the run rolled back from), or save under step numbers above "
+               f"{last}" if taken_over is None else
+               f"This job took the run over (take_over=True) after restoring step {taken_over}: "
+               "the newer steps are the other job's, saved while it still ran (it stops at its "
+               "next save, its lease lost); stop that job, then restart this one to resume from "
+               "its newest step")
         return (f"step {step} is older than step(s) committed before it{also}: {where}. restore() "
                 "resumes from the newest step and retention keeps the newest, so this save "
-                "would be dropped or passed over, and a restart would resume from step "
-                f"{last}. After a rollback (restore(state, step=N)), remove those newer steps "
-                "first (they belong to the run rolled back from), or save under step numbers "
-                f"above {last}")
+                f"would be dropped or passed over, and a restart would resume from step {last}. "
+                + fix)
 
     def _held(self, levels: Sequence[TierSteps], step: int) -> list[str]:
         """The directories of ``step`` in the tiers it goes to that hold a torch_checkpointing

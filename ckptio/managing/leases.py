@@ -53,6 +53,11 @@ class RunLeases:
                 if lease is not None:
                     self._leases[k] = lease
 
+    @property
+    def taking_over(self) -> bool:
+        """Whether this job was made with take_over=True."""
+        return self._take_over
+
     def held(self) -> set[int]:
         """The tiers whose lease this process holds (excluding other jobs there)."""
         return {k for k, lease in self._leases.items() if lease.held}

@@ -339,7 +339,9 @@ class ManagerParts:
         if lost is not None:
             self._leases.said()  # rank 0's: it decides whether close() says it again
             raise CheckpointLockedError(f"step {step} was not saved: {lost}")
-        return self._saves.refusal(self._levels, step, metrics, metadata)
+        restored = None if self.last_restore is None else self.last_restore.get("step")
+        return self._saves.refusal(self._levels, step, metrics, metadata,
+                                   taken_over=restored if self._leases.taking_over else None)
 
     def _taken_over(self) -> str | None:
         """Collective: None while every run lease is kept; else the steps there are another
