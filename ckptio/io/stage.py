@@ -22,6 +22,7 @@ import torch
 
 from ckptio.errors import CkptError
 from ckptio.io.buffers import Buffer
+from ckptio.io.pages import populate
 
 __all__ = ["StagingPool", "available_host_bytes"]
 
@@ -276,20 +277,16 @@ def _private_mapping(nbytes: int) -> mmap.mmap:
     return mapping
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_libc: ctypes.CDLL | None = None
 
 
 def _populate(address: int, nbytes: int) -> None:
     """Fault in the pages of [address, address + nbytes) (page-aligned), GIL released: by
-    madvise(MADV_POPULATE_WRITE), faster than touching each page (docs/BENCH_LIMIT.md, "small
-    states and the first save"); by a plain memset where the kernel lacks it."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if _libc.madvise(address, nbytes, _MADV_POPULATE_WRITE) != 0:
-        ctypes.memset(address, 0, nbytes)
+    madvise(MADV_POPULATE_WRITE) a step at a time (io/pages.py), faster than touching each
+    page (docs/BENCH_LIMIT.md, "small states and the first save"); what the kernel refused by
+    a plain memset."""
+    done = populate(address, nbytes)
+    if done < nbytes:
+        ctypes.memset(address + done, 0, nbytes - done)
 
 
 def available_host_bytes() -> int:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptio.errors import StorageIOError
+from ckptio.io import pages
 
 __all__ = ["SLOTS_DIR", "MappedFile", "Mappings", "libc", "new_shared_file", "on_tmpfs",
            "size_file"]
@@ -43,7 +44,6 @@ TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
 SLOTS_DIR = ".ckptio-slots"  # beside a root's steps: never a step name, never listed
 _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_SHARED = 0x01
-_MAP_POPULATE = 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _NBYTES, _TICK = operator.attrgetter("nbytes"), operator.attrgetter("tick")
 
@@ -117,13 +117,16 @@ def new_shared_file(path: str, nbytes: int) -> None:
 
 
 def _map(fd: int, nbytes: int, *, populate: bool = False) -> int:
+    """A shared mapping of ``nbytes`` of ``fd`` (``populate``: its pages faulted in, a step at
+    a time, io/pages.py: one MAP_POPULATE held up every mapping of the process meanwhile)."""
     if nbytes == 0:
         return 0
-    flags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
-    address = libc().mmap(None, nbytes, _PROT_READ_WRITE, flags, fd, 0)
+    address = libc().mmap(None, nbytes, _PROT_READ_WRITE, _MAP_SHARED, fd, 0)
     if address in (None, _MAP_FAILED):
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
+    if populate:
+        pages.populate(int(address), nbytes)  # what it leaves faults in at its first use
     return int(address)
 
 
