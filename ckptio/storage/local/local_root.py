@@ -76,14 +76,8 @@ class LocalRoot:
         """Bytes the slots may hold now (None: no bound)."""
         if self._slot_budget is None:
             return None
-        held = 0
-        for entry in _entries(self.location):
-            if step_of(entry.name) is not None and entry.is_dir(follow_symlinks=False):
-                try:
-                    with os.scandir(entry.path) as files:
-                        held += sum(f.stat().st_size for f in files if f.is_file())
-                except OSError:  # removed meanwhile
-                    continue
+        held = sum(self.usage(entry.path)[0] for entry in _entries(self.location)
+                   if step_of(entry.name) is not None and entry.is_dir(follow_symlinks=False))
         return max(0, self._slot_budget - held)
 
     def store_at(self, location: str) -> LocalStore:
