@@ -118,13 +118,17 @@ class Checkpointer:
         tensors is on a CUDA device (([], False) without a state)."""
         planned: tuple[list[int], bool] = ([], False)
         if state is not None:  # first: the pool is then made once, at its grown size
-            planned = save_session.planned_files(state, self.options.max_file_bytes,
-                                                 self._plan_cache)
+            planned = self.planned(state)
             self._resources.fit(planned[0])
         store = None if path is None else self._resources.served(store_for(path, self.options))
         self._resources.prepare(store, wait=state is None if wait is None else wait,
                                 whole=planned[0])  # a pool no larger than the state's files
         return planned
+
+    def planned(self, state: Any) -> tuple[list[int], bool]:
+        """The sizes of the data files a save of ``state`` writes, and whether a tensor of it
+        is on a CUDA device, planned as its save plans: that save reuses the plan."""
+        return save_session.planned_files(state, self.options.max_file_bytes, self._plan_cache)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the

@@ -406,6 +406,53 @@ def test_reused_plan_never_writes_stale_values(tmp_path: os.PathLike[str]) -> No
     ck.close()
 
 
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_the_first_save_reuses_the_plan_that_prepare_made(tmp_path: os.PathLike[str]) -> None:
+    """prepare(state=) plans the state as its save does, an optimizer's parameter names
+    included (before, its plan lacked them, so the first save planned again: the cost
+    prepare is called to take out of the loop)."""
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    ck = Checkpointer(SMALL_POOL)
+    try:
+        ck.prepare(tmp_path, state=state)
+        assert ck._plan_cache.hits == 0
+        ck.async_save(state, tmp_path / "s1").wait()
+        assert ck._plan_cache.hits == 1, "the first save planned the state again"
+    finally:
+        ck.close()
+    assert torch.equal(ckptio.load(tmp_path / "s1")["model"]["0.weight"], model[0].weight)
+
+
+def test_a_resumed_managers_first_save_reuses_the_plan_of_its_restore(
+        tmp_path: os.PathLike[str]) -> None:
+    """restore() plans the restored state (its optimizer's state loaded) as a save does: the
+    first save of the resumed job reuses that plan instead of planning inside the loop."""
+    model, opt = _trained()
+    with ckptio.CheckpointManager(os.path.join(tmp_path, "run")) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    state = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters())}
+    ck = Checkpointer(SMALL_POOL)
+    try:
+        with ckptio.CheckpointManager(os.path.join(tmp_path, "run"), checkpointer=ck) as again:
+            assert again.restore(state) == 1
+            hits = ck._plan_cache.hits
+            again.save(2, state, asynchronous=True).wait()
+            assert ck._plan_cache.hits == hits + 1, "the resumed job's first save planned again"
+    finally:
+        ck.close()
+    assert torch.equal(ckptio.load(os.path.join(tmp_path, "run", "step-2"))["model"]["0.weight"],
+                       model[0].weight)
+
+
 def test_reused_plan_follows_values_that_change_kind_or_size(tmp_path: os.PathLike[str]) -> None:
     """The tensors' layout is unchanged, but a value becomes bytes, a numpy array grows, then
     the value goes back to None: every save writes what it holds, and every one loads."""

@@ -21,7 +21,7 @@ import ckptio
 from ckptio import CkptError, ManifestError, StorageIOError
 from ckptio.format.manifest import bases_of
 from ckptio.format.types import FileInfo, Manifest
-from ckptio.managing.chains import Chains
+from ckptio.managing.chains import Chains, Link, link_of
 from ckptio.managing.delta import DeltaPolicy, choose_base
 from ckptio.managing.retention import Retention
 
@@ -42,11 +42,11 @@ def _manifest(stored: int, base: int | None = None) -> Manifest:
 
 def _chains(table: dict[int, object]) -> Chains:
     """Chains over ``table``: step -> manifest, or an exception its read raises."""
-    def read(step: int) -> Manifest:
+    def read(step: int) -> Link:
         value = table[step]
         if isinstance(value, Exception):
             raise value
-        return value  # type: ignore[return-value]
+        return link_of(value)  # type: ignore[arg-type]
     return Chains(read, "run")
 
 

@@ -57,8 +57,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # with --reps 3 --json), one; BENCH_RESTART round eight's 2- and 4-rank reruns, two;
 # BENCH_LOOP's call phases timed inside the call: dev/call_phases.py and dev/call_parts.py, two;
 # BENCH_LOOP section 22's load probe, dev/load_calls.py, one; BENCH_REDUNDANCY's meetings'
-# cost, one; BENCH_LOOP section 23's restore A/B and its dev/restore_thread_start.py probe, three)
-NOT_RUN_COUNT = 117
+# cost, one; BENCH_LOOP section 23's restore A/B and its dev/restore_thread_start.py probe, three;
+# BENCH_LOOP section 24's dev/resumed_saves.py probe, three)
+NOT_RUN_COUNT = 120
 
 
 def _not_run(command: str) -> str | None:

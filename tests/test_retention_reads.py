@@ -1,8 +1,9 @@
 """Retention does not decode the manifests of the steps its own manager saved: it knows their
 bases from the save (managing/chains.py, Chains.made). Decoding a large state's manifest took a
 share of every save call's time on the caller's thread (docs/BENCH_LOOP.md, the per-call
-Python). A step of another process (a resumed run) is still read, and a delta's base is still
-kept while its delta is."""
+Python). A step of another process (a resumed run) is still read, its bases and stored bytes
+alone (format.manifest.bases_and_bytes: no entry validated), and a delta's base is still kept
+while its delta is."""
 
 from __future__ import annotations
 
@@ -12,19 +13,25 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.managing import level
+from ckptio.format import validate
+from ckptio.managing import chains, level
 
 
 @pytest.fixture
 def decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The path of every manifest the tiers' retention decodes."""
+    """The path of every manifest the tiers decode or read a link from (``link:`` first)."""
     calls: list[str] = []
-    real = level.decode
+    real, real_link = level.decode, chains.bases_and_bytes
 
     def counting(raw: bytes, where: str) -> object:
         calls.append(where)
         return real(raw, where)
+
+    def counting_links(raw: bytes, where: str) -> tuple[tuple[str, ...], int]:
+        calls.append(f"link:{where}")
+        return real_link(raw, where)
     monkeypatch.setattr(level, "decode", counting)
+    monkeypatch.setattr(chains, "bases_and_bytes", counting_links)
     return calls
 
 
@@ -74,7 +81,34 @@ def test_a_resumed_manager_reads_the_steps_it_did_not_save(tmp_path: Path,
     with ckptio.CheckpointManager(tmp_path / "run", keep_last=2) as again:
         again.save(3, _state(3))  # retention drops step 1: its link is read from its manifest
         assert again.steps() == [2, 3]
-    assert len(decodes) >= 1
+    assert decodes and all(where.startswith("link:") for where in decodes), decodes
+
+
+def test_a_resumed_jobs_retention_validates_no_manifest(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps of the run before are read for their bases and stored bytes only: validating
+    a large state's manifest (every entry) took tens of milliseconds inside a resumed job's
+    second save call (the first retention); the load validated it already."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with ckptio.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    validated: list[str] = []
+    real = validate.from_body
+    monkeypatch.setattr(validate, "from_body", lambda raw, where, version: (
+        validated.append(where), real(raw, where, version))[1])
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with ckptio.CheckpointManager(tmp_path / "run", keep_last=1) as again:
+        assert again.restore({"model": fresh, "optim": fresh_opt}) == 1
+        assert len(validated) == 1  # the load's
+        for step in (2, 3):
+            again.save(step, {"model": fresh, "optim": fresh_opt}, asynchronous=True)
+        again.wait()
+        assert again.steps()[-1] == 3
+    assert len(validated) == 1, validated
 
 
 def test_a_deltas_base_is_kept_while_the_delta_is(tmp_path: Path) -> None:

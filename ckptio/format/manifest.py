@@ -4,10 +4,10 @@ Owns: the byte format of manifest.json (a header line with the magic, the versio
 length and CRC-32, then the JSON body), the version check, and the JSON's nesting depth (checked
 before parsing, so hostile depth never reaches json's recursion). decode then hands the parsed
 body to validate.from_body, which checks every field (validate.py; chunk tiling in tiling.py), so
-a manifest that decodes is one a load can carry out and is trusted by every later step.
-Pure: bytes in, Manifest out; no file access, no pickle. Does not own: the field checks
-(validate.py), whether the data files hold the bytes the manifest claims (storage/steps.py,
-loading/read.py).
+a manifest that decodes is one a load can carry out and is trusted by every later step;
+bases_and_bytes reads only a step's bases and stored bytes (a manager's retention). Pure: bytes
+in, Manifest out; no file access, no pickle. Does not own: the field checks (validate.py),
+whether the data files hold the bytes the manifest claims (storage/steps.py, loading/read.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptio.errors import ManifestError
 from ckptio.format import entryform, splice, validate
+from ckptio.format.check import Check
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import MAX_TREE_DEPTH, Manifest, TensorEntry, show
@@ -30,8 +31,8 @@ from ckptio.format.validate import MAX_NDIM, check_values
 # The names callers use (decode, encode, check_keys, check_values, the constants, tiling_problem)
 # stay importable from here; validate.py, keyrules.py and tiling.py hold the checks themselves.
 __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEPTH", "VERSION",
-           "VERSION_CODED", "Manifest", "bases_of", "check_keys", "check_values", "decode",
-           "encode", "json_depth", "tiling_problem", "version_for"]
+           "VERSION_CODED", "Manifest", "bases_and_bytes", "bases_of", "check_keys",
+           "check_values", "decode", "encode", "json_depth", "tiling_problem", "version_for"]
 
 MAGIC = "ckptio-manifest"
 # 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
@@ -77,6 +78,29 @@ def encode(manifest: Manifest, templates: splice.Templates | None = None) -> byt
 def decode(data: bytes, where: str) -> Manifest:
     """Parse and fully validate; ``where`` (the manifest path) goes into every error. Raises
     ManifestError and nothing else, in time and memory linear in ``data``."""
+    version, raw = _body(data, where)
+    with paused():
+        return validate.from_body(raw, where, version)
+
+
+def bases_and_bytes(data: bytes, where: str) -> tuple[tuple[str, ...], int]:
+    """A manifest's ``bases`` and the bytes its data and index files hold, with its header,
+    version, length, CRC-32 and those two fields checked, and no entry validated: what a
+    manager's retention asks of a step it did not save, for a fraction of decode()'s time on
+    a manifest of many entries. ManifestError otherwise."""
+    version, raw = _body(data, where)
+    c = Check(where)
+    if not isinstance(raw, dict) or raw.get("format") != "ckptio" or raw.get("version") != version:
+        raise c.fail("the body is not a ckptio object of this version (format/version fields)")
+    bases = tuple(c.str(b, "bases") for b in c.list(raw.get("bases", []), "bases"))
+    sizes = [c.int(c.field(f, "nbytes", "file"), "file nbytes")
+             for f in c.list(c.field(raw, "files", "manifest"), "files")]
+    return bases, sum(sizes)
+
+
+def _body(data: bytes, where: str) -> tuple[int, Any]:
+    """The version and the parsed JSON body of a manifest's bytes, its header line, version,
+    length, CRC-32 and nesting depth checked (ManifestError otherwise)."""
     newline = data.find(b"\n")
     header = _parse(data[:newline], 4) if newline > 0 else None
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
@@ -98,12 +122,10 @@ def decode(data: bytes, where: str) -> Manifest:
                             "written by something else: load an earlier one")
     try:
         with paused():
-            raw = json.loads(body)
+            return version, json.loads(body)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of too many digits
         raise ManifestError(f"{where}: manifest body is not JSON ({exc}); the checkpoint is "
                             "damaged: load an earlier one") from None
-    with paused():
-        return validate.from_body(raw, where, version)
 
 
 def _parse(text: bytes, max_depth: int) -> Any:

@@ -1,9 +1,10 @@
 """Delta chains among a manager's steps: which committed step needs which base (Chains).
 
 A delta step's entries reference a sibling full step, its base (docs/FORMAT.md version 4, the
-manifest's ``bases`` field, read through format.manifest.bases_of). Chains have depth 1: a base
-is self-contained. A step's link (its bases and the bytes its own files hold) is read from its
-manifest once and kept: a committed manifest never changes (a step saved again is forgotten).
+manifest's ``bases`` field). Chains have depth 1: a base is self-contained. A step's link (its
+bases and the bytes its own files hold) is read from its manifest once and kept, the two fields
+alone (format.manifest.bases_and_bytes: no entry is validated, as a load does): a committed
+manifest never changes (a step saved again is forgotten).
 The bases of a step this process saved are told (``made``), so retention reads no manifest.
 
 Retention's rule, for every tier and every root: a base is deleted only with or after its last
@@ -35,12 +36,13 @@ from ckptio.errors import (
     IncompleteCheckpointError,
     ManifestError,
 )
-from ckptio.format.manifest import bases_of
+from ckptio.format.manifest import MANIFEST_NAME, bases_and_bytes, bases_of
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.storage.steproot import step_of
+from ckptio.storage.store_contract import Store
 
-__all__ = ["Chains", "Link", "link_of"]
+__all__ = ["Chains", "Link", "link_of", "read_link"]
 
 _GONE = (ManifestError, CorruptCheckpointError, IncompleteCheckpointError,
          CheckpointNotFoundError)
@@ -62,16 +64,24 @@ class Link:
 def link_of(manifest: Manifest) -> Link:
     """The Link of a decoded manifest (base names not of the form ``step-N`` are not steps
     of a manager and are left out)."""
-    steps = (step_of(name) for name in bases_of(manifest))
-    return Link(tuple(sorted({s for s in steps if s is not None})),
-                sum(f.nbytes for f in manifest.files))
+    return _link(bases_of(manifest), sum(f.nbytes for f in manifest.files))
+
+
+def _link(bases: tuple[str, ...], stored: int) -> Link:
+    steps = (step_of(name) for name in bases)
+    return Link(tuple(sorted({s for s in steps if s is not None})), stored)
+
+
+def read_link(store: Store) -> Link:
+    """The Link of the step in ``store``, from its manifest's bases and files alone."""
+    return _link(*bases_and_bytes(store.read_manifest(), store.path_of(MANIFEST_NAME)))
 
 
 class Chains:
-    """The links of one root's committed steps; ``read(step)`` returns the step's decoded
-    manifest (or raises a CkptError)."""
+    """The links of one root's committed steps; ``read(step)`` returns the step's Link, read
+    from its manifest (``read_link``), or raises a CkptError."""
 
-    def __init__(self, read: Callable[[int], Manifest], where: str) -> None:
+    def __init__(self, read: Callable[[int], Link], where: str) -> None:
         self._read = read
         self._where = where
         self._known: dict[int, Link | None] = {}  # None: damaged or gone (needs no base)
@@ -82,7 +92,7 @@ class Chains:
         """``step``'s link; None if it is damaged or gone. Other CkptErrors are raised."""
         if step not in self._known:
             try:
-                self._known[step] = link_of(self._read(step))
+                self._known[step] = self._read(step)
             except _GONE:
                 self._known[step] = None
         return self._known[step]

@@ -35,7 +35,7 @@ from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.managing.agreement import Ranks
-from ckptio.managing.chains import Chains, Link
+from ckptio.managing.chains import Chains, Link, read_link
 from ckptio.managing.delta import ChainFacts
 from ckptio.managing.retention import StepMeta
 from ckptio.managing.tier_thread import TierThread
@@ -74,7 +74,7 @@ class TierSteps:
         self._ck = checkpointer
         self._ranks = ranks
         self._process_group = process_group
-        self._chains = Chains(self.manifest, self.directory)
+        self._chains = Chains(lambda step: read_link(self.store(step)), self.directory)
         self._meta = StepMeta(self.read_metadata, self.directory)
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
@@ -145,7 +145,7 @@ class TierSteps:
     # ---------------------------------------------------------------- chains
 
     def manifest(self, step: int) -> Manifest:
-        """``step``'s decoded manifest (the chains read each step's link from it once)."""
+        """``step``'s decoded manifest."""
         store = self.store(step)
         return decode(store.read_manifest(), store.path_of(MANIFEST_NAME))
 

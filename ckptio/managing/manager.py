@@ -59,7 +59,6 @@ from ckptio.managing.restoring import (
 )
 from ckptio.managing.tier import is_memory
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.saving.save_session import planned_files
 
 __all__ = ["CheckpointManager"]
 
@@ -317,10 +316,11 @@ class CheckpointManager(ManagerParts):
                       ) -> tuple[list[int], bool]:
         """The files a save of the restored ``state`` writes: a torch optimizer has no state
         before its first step or a load, so the plan made before the load sized a resumed
-        job's memory-tier slots for the model alone (no save could take them). A failure is
-        only logged, as the staging's: the slots planned before the load are made."""
+        job's memory-tier slots for the model alone (no save could take them). Planned as a
+        save plans (Checkpointer.planned): the first save reuses it. A failure is only
+        logged, as the staging's: the slots planned before the load are made."""
         try:
-            return planned_files(state, self._ck.options.max_file_bytes)
+            return self._ck.planned(state)
         except CkptError as exc:
             log.info("ckptio: the restored state's files not planned (%s)", exc)
             return planned

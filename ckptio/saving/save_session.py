@@ -366,7 +366,8 @@ def planned_files(state: Any, max_file_bytes: int,
     the staging pool must hold for async saves of it to return at copy speed; and whether any
     of its tensors is on a CUDA device. ``cache``: the Checkpointer's plan cache, so that its
     first save reuses this plan as later ones do."""
-    plan, sources = build_plan(flatten(state), allow_pickle=True, cache=cache)
+    flat = flatten(state, names=True, cache=None if cache is None else cache.flat)  # as a save
+    plan, sources = build_plan(flat, allow_pickle=True, cache=cache)
     sizes = [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
                                           max_file_bytes=max_file_bytes)]
     return sizes, any(isinstance(t, torch.Tensor) and t.is_cuda for t in sources.values())
