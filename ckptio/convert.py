@@ -139,11 +139,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 
 
 def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
-    if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
-        raise CkptError(f"convert: SRC and DST are both {dst}; choose another DST")
-    if not checkpoint_path(dst):
+    if not dst:
         raise CkptError("convert: DST is empty (an unset variable?); give the directory or file "
                         "to write")
+    if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
+        raise CkptError(f"convert: SRC and DST are both {dst}; choose another DST")
     # DCP's FileSystemWriter, torch.save and export_hf write local files: checked where they
     # write (a file:// URL's path), not at DST's spelling
     local = local_path(dst) if to != "ckptio" else checkpoint_path(dst)

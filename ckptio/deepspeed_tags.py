@@ -181,7 +181,7 @@ def _dp_ranks(folder: str, names: list[str]) -> int:
     if "mp_rank_00_model_states.pt" not in names or not is_committed(path):
         return 0
     try:
-        size = load(path, keys="dp_world_size", strict=False).get("dp_world_size")
+        size = load(path, keys=lambda k: k == "dp_world_size").get("dp_world_size")  # may be absent
     except CkptError:  # unreadable here: its conversion below names the damage
         return 0
     return size if isinstance(size, int) else 0

@@ -148,7 +148,7 @@ def committed_instead_of_last(path: str) -> str | None:
 def _global_step(path: str) -> int:
     """The ``global_step`` Lightning saved in checkpoint ``path`` (-1: none, or unreadable)."""
     try:
-        step = load(path, keys="global_step", strict=False).get("global_step")
+        step = load(path, keys=lambda k: k == "global_step").get("global_step")  # may be absent
     except CkptError:  # unreadable: ordered by its commit time alone
         return -1
     return step if isinstance(step, int) else -1

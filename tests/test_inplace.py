@@ -354,3 +354,30 @@ def test_keys_naming_nothing_is_refused_not_a_silent_empty_load(tmp_path):
         ckptio.load(tmp_path / "ck", {**state, "ema": {"w": torch.zeros(3)}}, keys=["ema"])
     report = ckptio.load(tmp_path / "ck", state, keys=["model.w"])
     assert report.loaded == ("model.w",) and torch.equal(state["model"]["w"], torch.ones(3))
+
+
+def test_a_fresh_load_refuses_keys_naming_nothing_and_keys_of_another_kind(tmp_path):
+    """A fresh load with keys=["stpe"] (a typo) returned {} (and ["model", "stpe"] dropped the
+    typo silently), keys=[] returned {}, and keys=[123] or keys=123 escaped as a TypeError. Now
+    the typo is refused as the in-place load refuses it (strict=False warns), keys=[] and keys=
+    of another kind are CkptErrors naming what keys= takes, and an iterator's names are kept."""
+    ckptio.save({"model": {"w": torch.ones(3)}, "step": 4}, tmp_path / "ck")
+    for keys in (["stpe"], ["model", "stpe"]):
+        with pytest.raises(ckptio.StateMismatchError,
+                           match=r"keys=: \['stpe'\] select\(s\) no key of the checkpoint \(the "
+                                 r"checkpoint's top-level keys: \['model', 'step'\]\)"):
+            ckptio.load(tmp_path / "ck", keys=keys)
+    with pytest.warns(UserWarning, match=r"strict=False: keys=: \['stpe'\]"):
+        assert ckptio.load(tmp_path / "ck", keys=["model", "stpe"], strict=False).keys() == {
+            "model"}
+    with pytest.raises(ckptio.CkptError, match=r"keys=\[\] selects no key"):
+        ckptio.load(tmp_path / "ck", keys=[])
+    for keys in ([123], 123, b"model"):
+        with pytest.raises(ckptio.CkptError, match="keys= takes a key's name"):
+            ckptio.load(tmp_path / "ck", keys=keys)
+    with pytest.raises(ckptio.CkptError, match="keys= takes a key's name"):
+        ckptio.load(tmp_path / "ck", {"model": {"w": torch.zeros(3)}}, keys=[1])
+    assert ckptio.load(tmp_path / "ck", keys=(k for k in ["step"])) == {"step": 4}
+    state = {"model": {"w": torch.zeros(3)}, "step": 0}
+    ckptio.load(tmp_path / "ck", state, keys=iter(["model"]))
+    assert torch.equal(state["model"]["w"], torch.ones(3)) and state["step"] == 0

@@ -73,3 +73,21 @@ def test_a_mistyped_run_directory_warns_naming_the_run_and_its_newest_step(tmp_p
         assert got[name] == {"step": None, "warnings": []}, (name, got[name])
     assert "did you mean run? It holds committed steps (the newest: step 30)" in got["required"]
     assert not (tmp_path / "rnu").exists()  # restoring created nothing
+
+
+def test_names_merely_alike_are_not_offered_as_a_typo(tmp_path: Path) -> None:
+    """Two temporary directories (tempfile.mkdtemp's tmpXXXXXXXX) were "spelled alike" often
+    enough that the getting-started example warned "did you mean /tmp/tmp...?" of another
+    run's directory (16 of 200 new directories beside 40 runs, a new user's count). A typo is
+    now a letter or two off (one in a name of at most 5 characters)."""
+    from ckptio.storage.missing_manifest import spelled_alike
+
+    assert spelled_alike("tmp0p5po_rn", ["tmpab12cd34", "tmp9x5po_qk", "tmpq0p5p_rn"]) == [
+        "tmpq0p5p_rn"]  # two letters off: offered; the others are other names
+    assert spelled_alike("chekpoints", ["checkpoints", "checkpoint"]) == [
+        "checkpoints", "checkpoint"]
+    assert spelled_alike("rnu", ["run", "rna", "urn"]) == ["run", "rna"]
+    assert spelled_alike("run", ["ran1", "rxx"]) == []
+    _save_run(tmp_path / "tmpab12cd34", [3])
+    got = _restores(tmp_path, "tmp0p5po_rn")
+    assert got["tmp0p5po_rn"] == {"step": None, "warnings": []}, got

@@ -93,8 +93,7 @@ def _join(prefix: str, part: Any) -> str:
 
 def _walk(value: Any, key: str, flat: FlatState, depth: int = 0) -> Json:
     if depth > MAX_TREE_DEPTH:
-        raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_TREE_DEPTH} "
-                                    "levels")
+        raise UnsupportedStateError(_too_deep(flat.root, key))
     depth += 1
     if isinstance(value, torch.Tensor):  # most leaves: skip the container checks
         return _leaf(value, key, flat)
@@ -204,6 +203,34 @@ def _structure(shape: Any, key: str) -> tuple[Any, tuple[str, ...], Json] | None
     return shape, children, node
 
 
+def _too_deep(root: Any, key: str) -> str:
+    """Why the walk went past MAX_TREE_DEPTH at ``key``: a container that holds itself (found
+    by a second walk, on this error's path only), or a state nested too deep."""
+    cycle = _cycle(root)
+    if cycle is not None:
+        return (f"key {cycle!r} holds a container it is in (the state refers to itself): save a "
+                "state without the cycle")
+    return (f"key {key[:200]!r}{' ...' if len(key) > 200 else ''}: the state nests deeper than "
+            f"{MAX_TREE_DEPTH} levels")
+
+
+def _cycle(root: Any) -> str | None:
+    """The first key whose value is a dict, list or tuple it is inside of (by identity); a
+    walk with a stack of its own, as the caller is deep in the interpreter's already."""
+    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
+    path: list[int] = []  # the ids of the containers around the value taken, outermost first
+    while stack:
+        value, key, depth = stack.pop()
+        del path[depth:]
+        if id(value) in path:
+            return key
+        if isinstance(value, (dict, list, tuple)) and depth <= MAX_TREE_DEPTH:
+            path.append(id(value))
+            parts = list(value.items() if isinstance(value, dict) else enumerate(value))
+            stack.extend((v, _join(key, k), depth + 1) for k, v in reversed(parts))
+    return None
+
+
 def _children(key: str, parts: Iterable[Any]) -> tuple[str, ...]:
     return tuple(f"{key}.{k}" if key else str(k) for k in parts)
 
@@ -240,7 +267,7 @@ def _leaf(value: Any, key: str, flat: FlatState) -> Json:
     if key in flat.leaves:
         raise UnsupportedStateError(
             f"key {key!r} names two different leaves (a dict key containing '.' collides with "
-            "a nested key); rename one of them"
+            "a nested key, or an int key with the same str key: 1 and '1'); rename one of them"
         )
     flat.leaves[key] = value
     return {"k": key}

@@ -41,6 +41,7 @@ from ckptio.loading.foreign_common import (
     item_name,
     kept_pickled,
     nest,
+    not_a_zip,
     raw_read,
     read_bytes,
     read_small,
@@ -272,9 +273,7 @@ def _entry(store: Store, item: PendingEntry,
     CRC-32 follows the data)."""
     where = item_name(store, item.key, item.file)
     if head[:4] != b"PK\x03\x04":
-        raise CkptError(f"{where} is not a torch.save zip (DCP's serialization_format="
-                        "SAFETENSORS, or another writer); ckptio reads only FileSystemWriter's "
-                        "default items: load it with torch.distributed.checkpoint.load")
+        raise not_a_zip(where, item.offset)
     record = torchzip.parse_head(head, item.item_length, where)
     chunk, nbytes = item.chunk, item.nbytes
     if record.dtype != item.dtype or record.size != chunk.sizes:

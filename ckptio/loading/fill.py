@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, StateMismatchError
 from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.param_names import is_marker, without_names
 from ckptio.format.types import Chunk, Manifest, ObjectEntry
@@ -30,7 +30,8 @@ from ckptio.loading import by_name, merge
 from ckptio.loading.fill_plan import Plan, ReadFn, Reads, plan, whole
 from ckptio.loading.matching import Match, Rules, check_agreed, match
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource, decode_object,
-                                   refuse_pickles, selector, stored_value)
+                                   named_nothing, refuse_pickles, selector, stored_value,
+                                   typo_refusal)
 
 __all__ = ["LoadReport", "fill_fresh", "fill_in_place"]
 
@@ -51,11 +52,19 @@ class LoadReport:
 
 
 def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle: bool,
-               rank: int = 0, world_size: int = 1, per_rank_from: RankPolicy = None) -> Any:
+               strict: bool = True, rank: int = 0, world_size: int = 1,
+               per_rank_from: RankPolicy = None) -> Any:
     """Build the saved state as new CPU tensors and Python values (chunks saved by many ranks
-    are assembled into whole tensors)."""
+    are assembled into whole tensors). A ``keys=`` name that selects no key is refused if
+    ``strict`` (a typo would load nothing and say nothing), else warned of."""
     select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
+    unknown = named_nothing(keys, (k for k in sources.keys() if not is_marker(k)))
+    if unknown and strict:
+        raise StateMismatchError(typo_refusal(unknown, sources, "the checkpoint"))
+    if unknown:
+        warnings.warn(f"ckptio: strict=False: {typo_refusal(unknown, sources, 'the checkpoint')}",
+                      stacklevel=4)
     found = {k: sources.get(k) for k in sources.keys() if select(k) and not is_marker(k)}
     sources.check_refused()
     reads = Reads()

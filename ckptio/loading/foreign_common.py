@@ -46,7 +46,7 @@ from ckptio.format.types import (
 from ckptio.storage.store_contract import Store
 
 __all__ = ["BLOCK_NBYTES", "TORCH_PICKLE", "NotInline", "ReadFn", "decode_value", "expand_value",
-           "holds_dcp", "item_name", "kept_pickled", "nest", "raw_read", "read_bytes",
+           "holds_dcp", "item_name", "kept_pickled", "nest", "not_a_zip", "raw_read", "read_bytes",
            "read_small", "torch_load_value", "unpicklable", "value_node"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
@@ -101,13 +101,27 @@ def item_name(store: Store, key: str, file: str) -> str:
     return f"{store.path_of(file)} (item of key {key!r})"
 
 
+def not_a_zip(where: str, offset: int) -> CkptError:
+    """The error of a DCP item whose bytes do not begin as a torch.save zip (FileSystemWriter's
+    default items): damage where the item begins its data file (a file in DCP's safetensors
+    format begins with its header, never an item), else damage or another format."""
+    if offset == 0:
+        return CorruptCheckpointError(
+            f"{where} does not begin as a torch.save zip, and it begins its data file (where "
+            "another DCP format keeps its header, not an item): the data file is damaged; load "
+            "an earlier checkpoint")
+    return CkptError(f"{where} is not a torch.save zip: its data file is damaged (load an "
+                     "earlier checkpoint), or was written in DCP's serialization_format="
+                     "SAFETENSORS or by another writer, which ckptio does not read (load it "
+                     "with torch.distributed.checkpoint.load)")
+
+
 def decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: bool) -> Any:
     """A value item's ``raw`` bytes (a torch.save zip) decoded, its records checked against
     their CRC-32s first."""
     where = item_name(store, item.fqn, item.file)
     if raw[:4] != b"PK\x03\x04":
-        raise CkptError(f"{where} is not a torch.save zip; ckptio reads only FileSystemWriter's "
-                        "default items: load it with torch.distributed.checkpoint.load")
+        raise not_a_zip(where, item.offset)
     try:  # the records' CRC-32s first: a value item has no checksum a read checks
         bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:

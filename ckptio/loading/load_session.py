@@ -43,7 +43,7 @@ from ckptio.loading import read as reading
 from ckptio.loading.fill import fill_fresh, fill_in_place
 from ckptio.loading.matching import AgreeFn, Rules
 from ckptio.loading.opening import ReadFn
-from ckptio.loading.stored import KeyFilter, RankPolicy, selector
+from ckptio.loading.stored import KeyFilter, RankPolicy, checked_keys, selector
 from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.planning.layout import read_gap
 from ckptio.storage.entry_reader import Bases, EntryReader
@@ -88,6 +88,9 @@ class LoadRequest:
     shared_manifest: SharedManifest | None = None
     # the checkpoint's manifest as the caller opened it for this load (not read again)
     record: Manifest | None = None
+
+    def __post_init__(self) -> None:  # keys= checked once, an iterator's names kept
+        object.__setattr__(self, "keys", checked_keys(self.keys))
 
     def rules(self) -> Rules:
         """The key rules of an in-place load (matching.py)."""
@@ -239,7 +242,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
             record = resolve_regular.expand(record, {r.key: None for r in record.regular
                                                      if select(r.key)}, plain)
             return fill_fresh(record, _shared(read, resources, store, record, request, activity),
-                              keys=request.keys,
+                              keys=request.keys, strict=request.strict,
                               allow_pickle=request.allow_pickle, rank=request.rank,
                               world_size=request.world_size, per_rank_from=request.per_rank_from)
         flat = flatten(state)

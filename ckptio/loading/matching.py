@@ -34,7 +34,7 @@ from ckptio.loading import optim_kind, param_check, state_keys, tied_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
-                                   named_nothing, selector)
+                                   named_nothing, selector, typo_refusal)
 from ckptio.planning.sharding import Held, check_dense, held
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
@@ -143,12 +143,7 @@ def check_agreed(m: Match, flat: FlatState, strict: bool, agreed: tuple[str, ...
 def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
     """``keys=`` names that select no key of the checkpoint or the state: refused if strict
     (a typo would load nothing and say nothing), else a warning."""
-    tops = sorted({k.split(".", 1)[0] for k in m.sources.keys() if not is_marker(k)})
-    dotted = [w for w in unknown if w.endswith(".")]  # export_hf's keys= is a prefix, load's a name
-    message = (f"keys=: {unknown} select(s) no key of the checkpoint or the state (the "
-               f"checkpoint's top-level keys: {tops[:10]}{' ...' if len(tops) > 10 else ''}); "
-               "check the spelling" + (f"; keys= names entries, with no '.' after the name: "
-                                       f"keys={[w.rstrip('.') for w in dotted]}" if dotted else ""))
+    message = typo_refusal(unknown, m.sources, "the checkpoint or the state")
     if strict:
         raise StateMismatchError(message)
     m.warnings.append(f"strict=False: {message}")

@@ -23,10 +23,12 @@ import torch
 from ckptio.errors import CkptError, ManifestError, PickleRefusedError, StateMismatchError
 from ckptio.format import values
 from ckptio.format.types import PICKLED_KINDS, Manifest, ObjectEntry, TensorEntry
+from ckptio.format.param_names import is_marker
 from ckptio.loading.foreign_common import TORCH_PICKLE, torch_load_value, unpicklable
 
-__all__ = ["KeyFilter", "RankPolicy", "Sources", "TensorSource", "decode_object", "named_nothing",
-           "refuse_pickles", "selector", "source_rank", "stored_value"]
+__all__ = ["KeyFilter", "RankPolicy", "Sources", "TensorSource", "checked_keys", "decode_object",
+           "named_nothing", "refuse_pickles", "selector", "source_rank", "stored_value",
+           "typo_refusal"]
 
 KeyFilter = None | str | Iterable[str] | Callable[[str], bool]
 RankPolicy = None | int | Mapping[int, int] | Callable[[int], int]
@@ -34,22 +36,50 @@ RankPolicy = None | int | Mapping[int, int] | Callable[[int], int]
 
 def selector(keys: KeyFilter) -> Callable[[str], bool]:
     """A test for the keys ``keys=`` selects: every key, a callable's, or the keys named and
-    those under them."""
+    those under them (CkptError for ``keys=`` of another kind, or naming nothing)."""
     if keys is None:
         return lambda _k: True
     if callable(keys):
         return keys
-    wanted = (keys,) if isinstance(keys, str) else tuple(keys)
+    wanted = _names(keys)
     return lambda k: any(k == w or k.startswith(w + ".") for w in wanted)
+
+
+def checked_keys(keys: KeyFilter) -> KeyFilter:
+    """``keys=`` as a load keeps it: None, a callable, or its names as a tuple (checked:
+    CkptError otherwise), so an iterator's names are read once."""
+    return keys if keys is None or callable(keys) else _names(keys)
+
+
+def _names(keys: str | Iterable[str]) -> tuple[str, ...]:
+    """``keys=``'s names, checked: a str, or an iterable of at least one str."""
+    names = (keys,) if isinstance(keys, str) else (
+        tuple(keys) if isinstance(keys, Iterable) and not isinstance(keys, bytes) else None)
+    if names is None or not all(isinstance(w, str) for w in names):
+        raise CkptError(f"keys={keys!r}: keys= takes a key's name ('model', or a dotted key "
+                        "such as 'model.0.weight'), a list of names, or a callable "
+                        "(key -> bool)")
+    if not names:
+        raise CkptError("keys=[] selects no key: leave keys= out to load every key")
+    return names
 
 
 def named_nothing(keys: KeyFilter, *key_sets: Iterable[str]) -> list[str]:
     """The names in ``keys=`` (not a callable) that select no key of ``key_sets``: a typo."""
     if keys is None or callable(keys):
         return []
-    names = (keys,) if isinstance(keys, str) else tuple(keys)
     known = [k for ks in key_sets for k in ks]
-    return [w for w in names if not any(k == w or k.startswith(w + ".") for k in known)]
+    return [w for w in _names(keys) if not any(k == w or k.startswith(w + ".") for k in known)]
+
+
+def typo_refusal(unknown: list[str], sources: Sources, where: str) -> str:
+    """What a load says of ``keys=`` names that select no key (``where``: of what)."""
+    tops = sorted({k.split(".", 1)[0] for k in sources.keys() if not is_marker(k)})
+    dotted = [w for w in unknown if w.endswith(".")]  # export_hf's keys= is a prefix, load's a name
+    return (f"keys=: {unknown} select(s) no key of {where} (the checkpoint's top-level keys: "
+            f"{tops[:10]}{' ...' if len(tops) > 10 else ''}); check the spelling"
+            + (f"; keys= names entries, with no '.' after the name: "
+               f"keys={[w.rstrip('.') for w in dotted]}" if dotted else ""))
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,9 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     what = "step" if step is None else f"copy of step {step}"
     raise CorruptCheckpointError(
         f"no {what} in {where(levels)} could be restored: {'; '.join(passed)}. The copies are "
-        "left as they are; restore(state, step=N) loads one step")
+        "left as they are; restore(state, step=N) loads one step. The state filled in place "
+        "may hold tensors of a copy read before its damage was found: build it afresh before "
+        "training from it (starting fresh included)")
 
 
 def first_only(load_kwargs: dict[str, Any], first: bool) -> dict[str, Any]:

@@ -110,6 +110,11 @@ def classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
             f"key {key!r}: a torch DataLoader has no state_dict(), so where it is in its epoch "
             "cannot be saved; use a loader that has one (torchdata's StatefulDataLoader), or "
             "put what rebuilds its position (epoch, batches seen) in the state instead")
+    if not allow_pickle and isinstance(value, torch.Generator):  # pickled, a load swaps it
+        raise UnsupportedStateError(  # for another object: the loader's would not be restored
+            f"key {key!r}: a torch.Generator is saved as its state: put {key.rsplit('.', 1)[-1]!r}"
+            ": gen.get_state() (a tensor) in the state, and after the load call "
+            "gen.set_state(...) on the generator your DataLoader or sampler holds")
     if not allow_pickle:
         raise UnsupportedStateError(
             f"key {key!r}: a {type(value).__module__}.{type(value).__qualname__} cannot be "

@@ -5,8 +5,10 @@ torch.save files, safetensors, a Hugging Face model folder), a parent of ckptio 
 nothing. Each is named as what it is, with how to load it. No message advises deleting anything:
 it may be another library's good checkpoint.
 
-Owns: those messages, from a listing of the location (any store's). Does not own: the listing
-(each store's), finding the manifest (local/, memory/).
+Owns: those messages, from a listing of the location (any store's), and what counts as a
+typo (``spelled_alike``: difflib's candidates within a letter or two, a distance of a few
+lines written here, as difflib has none). Does not own: the listing (each store's), finding
+the manifest (local/, memory/).
 """
 
 from __future__ import annotations
@@ -52,8 +54,30 @@ def nearby(name: str, siblings: list[str]) -> str:
 
 def spelled_alike(name: str, siblings: list[str]) -> list[str]:
     """The (at most two) ``siblings`` spelled like ``name``, closest first: the names a "did
-    you mean" hint offers."""
-    return difflib.get_close_matches(name, siblings, n=2, cutoff=0.6)
+    you mean" hint offers. A typo is a letter or two wrong, missing, added or swapped (one in
+    a name of at most 5 characters): names merely alike (two random temporary directories'
+    names) are not offered."""
+    typos = 1 if len(name) <= 5 else 2
+    near = difflib.get_close_matches(name, siblings, n=max(1, len(siblings)), cutoff=0.6)
+    return [n for n in near if _edits(name, n, typos) <= typos][:2]
+
+
+def _edits(a: str, b: str, most: int) -> int:
+    """The letters to change, remove, add or swap (two neighbours) to make ``b`` of ``a``,
+    counted up to ``most`` + 1 (the optimal string alignment distance, cut short)."""
+    if abs(len(a) - len(b)) > most:
+        return most + 1
+    before, row = None, list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        now = [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            now[j] = min(row[j] + 1, now[j - 1] + 1, row[j - 1] + (x != y))
+            if before is not None and i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                now[j] = min(now[j], before[j - 2] + 1)
+        before, row = row, now
+        if min(row) > most:
+            return most + 1
+    return row[-1]
 
 
 def no_manifest(location: str, names: list[str],

@@ -40,6 +40,7 @@ from ckptio.options import Options
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_urls import file_path, shm_path
 from ckptio.storage.steproot import StepRoot
+from ckptio.storage.location_text import location_text, refuse_unexpanded
 from ckptio.storage.store_contract import Store
 
 __all__ = [
@@ -242,16 +243,6 @@ def scheme_of(location: str) -> str | None:
     return match.group(1).lower() if match else None
 
 
-def _text(path: str | os.PathLike[str]) -> str:
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise CkptError(
-            f"a checkpoint location is a path or URL (str or os.PathLike), not a "
-            f"{type(path).__name__}: the state goes first in ckptio.save(state, path) and "
-            "second in ckptio.load(path, state)")
-    text = os.fspath(path)
-    return os.fsdecode(text) if isinstance(text, bytes) else text
-
-
 def _unsupported(text: str, scheme: str) -> UnsupportedPathError:
     served = ", ".join(f"{s}://" for s in registered_schemes())
     return UnsupportedPathError(
@@ -264,9 +255,10 @@ def checkpoint_path(path: str | os.PathLike[str]) -> str:
     """The location as a string: a URL of a registered scheme, or a local path (``file://``
     and ``shm://`` URLs become their path). Another scheme is refused, naming the registered
     ones."""
-    text = _text(path)
+    text = location_text(path)
     if scheme_of(text) is None:
         _refuse_slash_missing(text)
+        refuse_unexpanded(text)
         return text
     entry = scheme_for(text)
     return text if entry.local is None else entry.local(text)
