@@ -378,6 +378,9 @@ def test_a_fresh_load_refuses_keys_naming_nothing_and_keys_of_another_kind(tmp_p
     with pytest.raises(ckptio.CkptError, match="keys= takes a key's name"):
         ckptio.load(tmp_path / "ck", {"model": {"w": torch.zeros(3)}}, keys=[1])
     assert ckptio.load(tmp_path / "ck", keys=(k for k in ["step"])) == {"step": 4}
+    ckptio.save({"empty": {}, "nested": {"none": [], "w": torch.ones(1)}}, tmp_path / "e")
+    assert ckptio.load(tmp_path / "e", keys=["empty", "nested.none"]) == {  # no leaf, no typo
+        "empty": {}, "nested": {"none": []}}
     state = {"model": {"w": torch.zeros(3)}, "step": 0}
     ckptio.load(tmp_path / "ck", state, keys=iter(["model"]))
     assert torch.equal(state["model"]["w"], torch.ones(3)) and state["step"] == 0

@@ -32,6 +32,7 @@ from ckptio.loading.matching import Match, Rules, check_agreed, match
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource, decode_object,
                                    named_nothing, refuse_pickles, selector, stored_value,
                                    typo_refusal)
+from ckptio.loading.tree_nodes import empty_nodes
 
 __all__ = ["LoadReport", "fill_fresh", "fill_in_place"]
 
@@ -59,7 +60,8 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
     ``strict`` (a typo would load nothing and say nothing), else warned of."""
     select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
-    unknown = named_nothing(keys, (k for k in sources.keys() if not is_marker(k)))
+    unknown = named_nothing(keys, (k for k in sources.keys() if not is_marker(k)),
+                            empty_nodes(record.tree))
     if unknown and strict:
         raise StateMismatchError(typo_refusal(unknown, sources, "the checkpoint"))
     if unknown:

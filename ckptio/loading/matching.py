@@ -35,6 +35,7 @@ from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
                                    named_nothing, selector, typo_refusal)
+from ckptio.loading.tree_nodes import empty_nodes
 from ckptio.planning.sharding import Held, check_dense, held
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
@@ -111,7 +112,7 @@ def match(record: Manifest, flat: FlatState, rules: Rules) -> Match:
     check_agreed."""
     chosen = selector(rules.keys)
     sources = Sources(record, rules.rank, rules.world_size, rules.per_rank_from)
-    unknown = named_nothing(rules.keys, sources.keys(), flat.leaves)
+    unknown = named_nothing(rules.keys, sources.keys(), flat.leaves, empty_nodes(record.tree))
     kinds = optim_kind.found(flat, sources.keys(), chosen, rules.strict)
     chosen = optim_kind.outside(chosen, kinds)  # another optimizer's state: left as built
     m = Match(sources, _renamed(flat, sources, chosen, rules))

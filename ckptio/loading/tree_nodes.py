@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptio.format.types import Json
 
-__all__ = ["children", "join", "leaf_keys", "unwrap"]
+__all__ = ["children", "empty_nodes", "join", "leaf_keys", "unwrap"]
 
 
 def leaf_keys(node: Json) -> Iterator[str]:
@@ -27,6 +27,20 @@ def leaf_keys(node: Json) -> Iterator[str]:
         for child in ([c for _k, c in body] if tag == "d" else body if tag in ("l", "t")
                       else [body]):
             yield from leaf_keys(child)
+
+
+def empty_nodes(node: Json, key: str = "") -> Iterator[str]:
+    """The keys of the containers under a node of a saved tree that hold no leaf (an empty
+    dict, list or tuple: saved and loaded as one, so a ``keys=`` name may select it)."""
+    (tag, body), = node.items()
+    if tag in ("c", "s"):
+        yield from empty_nodes(body[1] if tag == "c" else body, key)
+    elif tag in ("d", "l", "t"):
+        kids = [(k, c) for k, c in body] if tag == "d" else list(enumerate(body))
+        if not kids and key:
+            yield key
+        for part, child in kids:
+            yield from empty_nodes(child, join(key, part))
 
 
 def unwrap(node: Json) -> Json:
