@@ -78,8 +78,8 @@ def test_a_mistyped_run_directory_warns_naming_the_run_and_its_newest_step(tmp_p
 def test_names_merely_alike_are_not_offered_as_a_typo(tmp_path: Path) -> None:
     """Two temporary directories (tempfile.mkdtemp's tmpXXXXXXXX) were "spelled alike" often
     enough that the getting-started example warned "did you mean /tmp/tmp...?" of another
-    run's directory (16 of 200 new directories beside 40 runs, a new user's count). A typo is
-    now a letter or two off (one in a name of at most 5 characters)."""
+    run's directory (a new user's trial). A typo is now a letter or two off (one in a name of
+    at most 5 characters)."""
     from ckptio.storage.missing_manifest import spelled_alike
 
     assert spelled_alike("tmp0p5po_rn", ["tmpab12cd34", "tmp9x5po_qk", "tmpq0p5p_rn"]) == [

@@ -277,8 +277,6 @@ def _private_mapping(nbytes: int) -> mmap.mmap:
     return mapping
 
 
-
-
 def _populate(address: int, nbytes: int) -> None:
     """Fault in the pages of [address, address + nbytes) (page-aligned), GIL released: by
     madvise(MADV_POPULATE_WRITE) a step at a time (io/pages.py), faster than touching each

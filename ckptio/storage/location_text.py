@@ -36,5 +36,5 @@ def refuse_unexpanded(text: str) -> None:
     if text.startswith("~"):
         raise UnsupportedPathError(
             f"{text}: begins with '~', which ckptio does not expand (it would make a folder "
-            f"'~' in {os.getcwd()}); pass os.path.expanduser({text!r}), or ./{text} for a "
-            "folder so named")
+            f"'~' in the working directory); pass os.path.expanduser({text!r}), or ./{text} "
+            "for a folder so named")
